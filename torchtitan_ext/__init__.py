@@ -1,0 +1,1 @@
+"""torchtitan_ext: context parallelism for torchtitan's multimodal muse_glimmer."""

@@ -1,0 +1,39 @@
+"""muse_glimmer under context parallelism: the plug-in's model package.
+
+The model spec is torchtitan's own muse_glimmer flavor with two replacements:
+the model class (vision injection by bank index, same modules and keys) and the
+parallelize function (CP allowed for the multimodal flavor).
+"""
+
+import dataclasses
+
+from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
+from torchtitan.protocols.model_spec import ModelSpec
+
+from .model import MuseGlimmerModel, gather_vision_rows
+from .parallelize import parallelize_muse_glimmer
+from .vision_bank import build_vision_bank_indices, check_vision_placeholders
+
+__all__ = [
+    "MuseGlimmerModel",
+    "build_vision_bank_indices",
+    "check_vision_placeholders",
+    "gather_vision_rows",
+    "model_registry",
+    "parallelize_muse_glimmer",
+]
+
+
+def model_registry(flavor: str, attn_backend: str = "flex", **kwargs) -> ModelSpec:
+    """torchtitan's muse_glimmer ``flavor``, built as the plug-in's model."""
+    upstream_spec = upstream_model_registry(flavor, attn_backend=attn_backend, **kwargs)
+    upstream_config = upstream_spec.model
+    model_config = MuseGlimmerModel.Config(
+        **{
+            field.name: getattr(upstream_config, field.name)
+            for field in dataclasses.fields(upstream_config)
+        }
+    )
+    return dataclasses.replace(
+        upstream_spec, model=model_config, parallelize_fn=parallelize_muse_glimmer
+    )

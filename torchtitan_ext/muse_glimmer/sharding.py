@@ -1,0 +1,105 @@
+"""Sharding of muse_glimmer's vision path on the cp mesh axis.
+
+Upstream's vision layouts name only dp and tp, so FSDP, which shards over
+(dp_shard, cp), finds plain tensors on the cp axis and refuses to wrap them.
+Under CP the whole vision stack runs replicated: every CP rank of a DP group
+encodes the same images, so every vision parameter and activation is ``R`` on
+cp, and each rank's gradient is a partial sum (``P``) that FSDP's reduction
+over (dp_shard, cp) completes.
+"""
+
+import spmd_types as spmd
+
+from torchtitan.distributed.parallel_dims import MeshAxisName
+from torchtitan.protocols.module import Module
+from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig, SpmdLayout
+
+__all__ = ["set_cp_vision_sharding_config"]
+
+DP = MeshAxisName.DP
+CP = MeshAxisName.CP
+TP = MeshAxisName.TP
+
+_VISION_MODULES = (
+    "vision_encoder",
+    "vision_adapter",
+    "vision_projection",
+    "perception_emb_norm",
+)
+
+
+def _on_cp(layout: SpmdLayout | None, cp_type) -> SpmdLayout | None:
+    if layout is None or CP in layout.axis_types:
+        return layout
+    return SpmdLayout(
+        {**layout.axis_types, CP: cp_type}, partition_spec=layout.partition_spec
+    )
+
+
+def _replicated_on_cp(sharding: ShardingConfig) -> ShardingConfig:
+    """The same layouts with ``R`` on cp (gradients ``P``) wherever cp is missing."""
+
+    def each(layouts, cp_type=spmd.R):
+        if layouts is None:
+            return None
+        if isinstance(layouts, dict):
+            return {name: _on_cp(layout, cp_type) for name, layout in layouts.items()}
+        if isinstance(layouts, tuple):
+            return tuple(_on_cp(layout, cp_type) for layout in layouts)
+        return _on_cp(layouts, cp_type)
+
+    local_map = sharding.local_map
+    if local_map is not None:
+        local_map = LocalMapConfig(
+            in_grad_placements=each(local_map.in_grad_placements, spmd.P)
+        )
+    return ShardingConfig(
+        state_shardings=each(sharding.state_shardings),
+        in_src_shardings=each(sharding.in_src_shardings),
+        in_dst_shardings=each(sharding.in_dst_shardings),
+        out_src_shardings=each(sharding.out_src_shardings),
+        out_dst_shardings=each(sharding.out_dst_shardings),
+        local_map=local_map,
+    )
+
+
+def _vision_inner_attention_sharding(decoder_style: ShardingConfig) -> ShardingConfig:
+    """Vision attention keeps q, k, v and its output ``R`` on cp.
+
+    Upstream reuses the decoder's inner-attention layout, which all-gathers k/v
+    over cp (the decoder's sequence is CP-sharded). The vision patches are
+    already whole on every CP rank, so that all-gather would make each image
+    attend to cp copies of its own patches.
+    """
+
+    def replicated(layout: SpmdLayout, cp_type=spmd.R) -> SpmdLayout:
+        return SpmdLayout({**layout.axis_types, CP: cp_type})
+
+    assert decoder_style.in_dst_shardings is not None
+    q_layout = replicated(decoder_style.in_dst_shardings["q_BLNH"])
+    grad_layout = replicated(decoder_style.in_dst_shardings["q_BLNH"], spmd.P)
+    qkv = {name: q_layout for name in ("q_BLNH", "k_BLNH", "v_BLNH")}
+    return ShardingConfig(
+        in_src_shardings=qkv,
+        in_dst_shardings=dict(qkv),
+        out_src_shardings=q_layout,
+        local_map=LocalMapConfig(in_grad_placements=(grad_layout,) * 3),
+    )
+
+
+def set_cp_vision_sharding_config(model_config) -> None:
+    """Declare the vision modules replicated on cp (a no-op axis when cp == 1)."""
+    from torchtitan.models.common.vision_encoder import VisionAttention
+
+    for name in _VISION_MODULES:
+        module_config = getattr(model_config, name, None)
+        if module_config is None:
+            continue
+        for _, config, _, _ in module_config.traverse(Module.Config, recurse=True):
+            if config.sharding_config is not None:
+                config.sharding_config = _replicated_on_cp(config.sharding_config)
+        for _, attention, _, _ in module_config.traverse(VisionAttention.Config):
+            inner = attention.inner_attention
+            inner.sharding_config = _vision_inner_attention_sharding(
+                inner.sharding_config
+            )

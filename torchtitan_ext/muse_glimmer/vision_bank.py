@@ -1,0 +1,99 @@
+"""Map every token to its row of the vision-feature bank, before CP sharding.
+
+The encoder + adapter turn a batch's images into one feature bank whose rows are
+laid out image after image, in the order the collator lists the images (row-major
+over the batch). Upstream finds each image's placeholder span at injection time,
+which needs the whole sequence; once context parallelism permutes and shards
+the tokens, no rank can. Built from the unsharded tokens and sharded with them,
+``vision_bank_indices`` lets every rank gather its own rows.
+"""
+
+import torch
+
+__all__ = [
+    "build_vision_bank_indices",
+    "check_vision_placeholders",
+    "tokens_per_image",
+]
+
+
+def tokens_per_image(
+    grid_thw_N3: torch.Tensor, spatial_merge_size: int
+) -> torch.Tensor:
+    """Feature-bank rows each image contributes (``t * h * w / merge**2``)."""
+    return grid_thw_N3.to(torch.long).prod(dim=-1) // spatial_merge_size**2
+
+
+def _placeholder_runs(is_image_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per placeholder token: its run (one run per image, row-major) and offset in it."""
+    starts_run_BL = is_image_BL.clone()
+    starts_run_BL[:, 1:] &= ~is_image_BL[:, :-1]
+    run_id_T = torch.cumsum(starts_run_BL.flatten(), dim=0) - 1
+    flat_index_T = torch.arange(is_image_BL.numel(), device=is_image_BL.device)
+    run_start_T = torch.where(starts_run_BL.flatten(), flat_index_T, 0).cummax(dim=0)
+    offset_in_run_T = flat_index_T - run_start_T.values
+    return run_id_T.view_as(is_image_BL), offset_in_run_T.view_as(is_image_BL)
+
+
+def build_vision_bank_indices(
+    tokens_BL: torch.Tensor,
+    grid_thw_N3: torch.Tensor,
+    *,
+    image_id: int,
+    spatial_merge_size: int,
+) -> torch.Tensor:
+    """Row of the feature bank for every image placeholder; -1 for every other token.
+
+    The k-th placeholder run takes image k's rows from its first row on, so a run
+    cut short by the end of a sequence still maps to the right rows, and the
+    images after it are unaffected. Device-side only: no host synchronization.
+    """
+    is_image_BL = tokens_BL == image_id
+    run_id_BL, offset_in_run_BL = _placeholder_runs(is_image_BL)
+    rows_per_image_N = tokens_per_image(grid_thw_N3, spatial_merge_size)
+    first_row_N = torch.cumsum(rows_per_image_N, dim=0) - rows_per_image_N
+    run_id_BL = run_id_BL.clamp(0, max(first_row_N.numel() - 1, 0))
+    bank_row_BL = first_row_N[run_id_BL] + offset_in_run_BL
+    return torch.where(is_image_BL, bank_row_BL, -1)
+
+
+def check_vision_placeholders(
+    tokens_BL: torch.Tensor,
+    grid_thw_N3: torch.Tensor | None,
+    *,
+    image_id: int,
+    spatial_merge_size: int,
+) -> None:
+    """Raise unless the placeholders and the feature bank describe the same images.
+
+    Each image must own one placeholder run of exactly its row count; only a run
+    that reaches the end of its sequence may be shorter (the collator truncates
+    there). Every rank of a CP group holds the same unsharded batch, so all of
+    them raise the same error before any collective. Meant for the CPU batch.
+    """
+    is_image_BL = tokens_BL == image_id
+    rows_N = (
+        tokens_per_image(grid_thw_N3, spatial_merge_size)
+        if grid_thw_N3 is not None
+        else torch.zeros(0, dtype=torch.long)
+    )
+    run_id_BL, _ = _placeholder_runs(is_image_BL)
+    run_length_R = torch.bincount(run_id_BL[is_image_BL])
+    summary = (
+        f"{int(is_image_BL.sum())} image placeholder tokens in "
+        f"{len(run_length_R)} run(s), but the vision-feature bank has "
+        f"{int(rows_N.sum())} rows from {len(rows_N)} image(s)"
+    )
+    if len(run_length_R) != len(rows_N):
+        raise ValueError(
+            f"Multimodal batch mismatch: {summary}; each image needs one run."
+        )
+    cut_by_end_R = torch.zeros(len(run_length_R), dtype=torch.bool)
+    cut_by_end_R[run_id_BL[:, -1][is_image_BL[:, -1]]] = True
+    bad_R = (run_length_R > rows_N) | ((run_length_R < rows_N) & ~cut_by_end_R)
+    if bool(bad_R.any()):
+        image = int(bad_R.nonzero()[0])
+        raise ValueError(
+            f"Multimodal batch mismatch: {summary}; image {image} has "
+            f"{int(run_length_R[image])} placeholders for {int(rows_N[image])} rows."
+        )

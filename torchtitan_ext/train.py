@@ -1,0 +1,39 @@
+"""``python -m torchtitan_ext.train``: ``torchtitan.train`` plus TOML config files.
+
+Takes the same ``--module/--config`` and ``--section.key`` arguments as
+``python -m torchtitan.train``, and also ``--job.config_file PATH.toml`` (see
+``torchtitan_ext.config_file``). The merged arguments are handed to torchtitan's
+own ``main()`` through ``sys.argv``, so training runs exactly as upstream.
+
+Nothing here imports torchtitan at module level: ``cpu_backend.apply()`` must
+run before any torchtitan import.
+"""
+
+import sys
+
+__all__ = ["main"]
+
+
+def main() -> None:
+    """Expand ``--job.config_file`` and run ``torchtitan.train.main()``."""
+    from torchtitan_ext import cpu_backend
+
+    cpu_backend.apply()
+
+    from torchtitan_ext.config_file import ConfigFileError, merge_args
+
+    try:
+        args = merge_args(sys.argv[1:])
+    except ConfigFileError as e:
+        # One line and exit code 2, as argparse reports usage errors.
+        print(f"torchtitan_ext.train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    import torchtitan.train
+
+    sys.argv = [sys.argv[0], *args]
+    torchtitan.train.main()
+
+
+if __name__ == "__main__":
+    main()

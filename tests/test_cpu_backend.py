@@ -3,7 +3,6 @@
 import pytest
 import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
-
 from torchtitan.models.common.attention import (
     FlexAttention,
     get_causal_mask_mod,
@@ -11,6 +10,7 @@ from torchtitan.models.common.attention import (
     get_sliding_window_mask_mod,
 )
 from torchtitan.tools import utils as tt_utils
+
 from torchtitan_ext import cpu_backend
 
 B, N, L, H = 2, 2, 48, 8

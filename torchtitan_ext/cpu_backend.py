@@ -169,7 +169,6 @@ def eager_flex_attention(*args, score_mod=None, **kwargs):
 
 def _use_eager_flex_attention() -> None:
     from torch.nn.attention import flex_attention as flex_module
-
     from torchtitan.models.common.attention import FlexAttention
 
     flex_module._validate_device = _validate_device_allowing_cpu_backward
@@ -181,7 +180,6 @@ def _use_eager_flex_attention() -> None:
 
 def _use_eager_create_block_mask() -> None:
     from torch.nn.attention.flex_attention import create_block_mask
-
     from torchtitan.models.common import attention, vision_encoder
 
     attention._compiled_create_block_mask = create_block_mask

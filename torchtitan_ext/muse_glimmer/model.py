@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import spmd_types as spmd
 import torch
-
 from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.utils import get_spmd_backend
+from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
 from torchtitan.models.muse_glimmer.model import _window_mask_key
 
@@ -19,8 +19,9 @@ TP = MeshAxisName.TP
 
 # Inside ``multimodal_context`` dp is a local axis: each DP rank encodes its own
 # images (V), every CP rank of a DP group encodes the same ones (R).
+_VISION_INPUT_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.I}
 _BANK_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.R}
-_TOKEN_TYPE = {DP: spmd.V, CP: spmd.V, TP: spmd.R}
+_TOKEN_TYPE = {DP: spmd.V, CP: spmd.S(1), TP: spmd.R}
 
 
 def _gather_vision_rows_local(
@@ -114,6 +115,11 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_bank_indices: torch.Tensor | None = None,
         **kwargs,
     ):
+        if get_spmd_backend() == "spmd_types":
+            with multimodal_context():
+                for name in ("pixel_values", "grid_thw"):
+                    if kwargs.get(name) is not None:
+                        spmd.assert_type(kwargs[name], _VISION_INPUT_TYPE)
         # _inject_vision's signature is upstream's; the indices reach it from here.
         self._vision_bank_indices_BL = vision_bank_indices
         try:
@@ -140,6 +146,4 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_bank_TD = self.perception_emb_norm(
             self.vision_projection(vision_features)
         ).squeeze(0)
-        if get_spmd_backend() == "spmd_types":
-            spmd.assert_type(vision_bank_indices_BL, _TOKEN_TYPE)
         return gather_vision_rows(h, vision_bank_TD, vision_bank_indices_BL)

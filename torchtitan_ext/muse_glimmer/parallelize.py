@@ -9,8 +9,12 @@ parameters are ``R`` on cp (see ``sharding.py``), so their gradients are summed
 over the CP ranks, each of which used only its own tokens' feature rows.
 """
 
-from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig
-from torchtitan.config import TrainingConfig
+from torchtitan.config import (
+    TORCH_DTYPE_MAP,
+    CompileConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile

@@ -9,7 +9,6 @@ over (dp_shard, cp) completes.
 """
 
 import spmd_types as spmd
-
 from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig, SpmdLayout
@@ -31,9 +30,13 @@ _VISION_MODULES = (
 def _on_cp(layout: SpmdLayout | None, cp_type) -> SpmdLayout | None:
     if layout is None or CP in layout.axis_types:
         return layout
-    return SpmdLayout(
-        {**layout.axis_types, CP: cp_type}, partition_spec=layout.partition_spec
-    )
+    # Mesh axes are looked up in the mesh's own order: dp, cp, tp.
+    axis_types = {
+        axis: layout.axis_types[axis] for axis in (DP,) if axis in layout.axis_types
+    }
+    axis_types[CP] = cp_type
+    axis_types.update(layout.axis_types)
+    return SpmdLayout(axis_types, partition_spec=layout.partition_spec)
 
 
 def _replicated_on_cp(sharding: ShardingConfig) -> ShardingConfig:

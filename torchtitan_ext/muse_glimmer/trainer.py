@@ -6,7 +6,6 @@ from typing import Any
 
 import spmd_types as spmd
 import torch
-
 from torchtitan.components.validate import Validator
 from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh

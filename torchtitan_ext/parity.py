@@ -515,6 +515,7 @@ def _plot(rows: list[StepRow], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r.step for r in rows]
     fig, (ax_loss, ax_diff) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
@@ -548,6 +549,7 @@ def _plot(rows: list[StepRow], path: Path, title: str) -> None:
             label=f"|dloss| = 0 exactly (drawn at {floor:.0e})",
         )
     ax_diff.set_yscale("log")
+    ax_diff.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_diff.set_xlabel("step")
     ax_diff.set_ylabel("|dloss|")
     ax_diff.legend()

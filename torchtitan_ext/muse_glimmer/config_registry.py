@@ -14,7 +14,16 @@ from torchtitan_ext.embedded_data import ensure_embedded_assets
 from . import model_registry
 from .trainer import MuseGlimmerTrainer, MuseGlimmerValidator
 
-__all__ = ["muse_glimmer_debugmodel_mm"]
+__all__ = [
+    "muse_glimmer_debugmodel_mm",
+    "muse_glimmer_debugmodel_mm_cp2",
+    "muse_glimmer_debugmodel_mm_cp4",
+    "muse_glimmer_debugmodel_mm_fsdp2",
+    "muse_glimmer_debugmodel_mm_fsdp2_cp2",
+    "muse_glimmer_debugmodel_mm_packed",
+    "muse_glimmer_debugmodel_mm_tp2_cp2_sp",
+    "muse_glimmer_debugmodel_mm_tp2_sp",
+]
 
 
 def _as(config_cls: type, config):
@@ -38,3 +47,59 @@ def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Confi
 def muse_glimmer_debugmodel_mm() -> MuseGlimmerTrainer.Config:
     """torchtitan's ``muse_glimmer_debugmodel_mm``, trained on the embedded data."""
     return _plugin_job(upstream.muse_glimmer_debugmodel_mm(), "debugmodel_mm")
+
+
+def muse_glimmer_debugmodel_mm_packed() -> MuseGlimmerTrainer.Config:
+    """The multimodal debug job with packed sequences, on one rank.
+
+    CP exists for long, dense sequences, so the CP jobs pack: each sequence
+    holds several documents and images at arbitrary offsets, document masks
+    shape the ptrr balancer, and image spans cross CP shard boundaries. This job
+    is their 1-rank baseline. 512 tokens divide lcm(2*tp*cp, 128*cp) for every
+    CP job here; a packed row holds about 20 images, hence the image budget.
+    """
+    job = muse_glimmer_debugmodel_mm()
+    job.dataloader.packing_buffer_size = 32
+    job.dataloader.max_images_per_batch = 128
+    job.training.seq_len = 512
+    job.training.local_batch_size = 2
+    job.parallelism.context_parallel_load_balancer = "ptrr"
+    job.parallelism.context_parallel_ptrr_mask_key = "global"
+    return job
+
+
+def _packed_with(**degrees: int) -> MuseGlimmerTrainer.Config:
+    job = muse_glimmer_debugmodel_mm_packed()
+    for name, degree in degrees.items():
+        setattr(job.parallelism, name, degree)
+    return job
+
+
+def muse_glimmer_debugmodel_mm_cp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under CP2 (2 ranks)."""
+    return _packed_with(context_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_cp4() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under CP4 (4 ranks)."""
+    return _packed_with(context_parallel_degree=4)
+
+
+def muse_glimmer_debugmodel_mm_fsdp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under FSDP2 (2 ranks): the FSDP2xCP2 baseline."""
+    return _packed_with(data_parallel_shard_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_fsdp2_cp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under FSDP2 x CP2 (4 ranks)."""
+    return _packed_with(data_parallel_shard_degree=2, context_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_tp2_sp() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under TP2 with SP (2 ranks): the TP2+CP2+SP baseline."""
+    return _packed_with(tensor_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_tp2_cp2_sp() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under TP2 + CP2 with SP (4 ranks)."""
+    return _packed_with(tensor_parallel_degree=2, context_parallel_degree=2)

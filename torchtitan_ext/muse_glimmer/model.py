@@ -133,7 +133,7 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_features: torch.Tensor,
         vision_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Project + norm the bank (replicated over CP), then gather this rank's rows."""
+        """Project + norm the bank (replicated over CP); gather this rank's rows."""
         vision_bank_indices_BL = self._vision_bank_indices_BL
         if vision_bank_indices_BL is None:
             raise ValueError(

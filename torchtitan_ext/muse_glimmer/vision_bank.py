@@ -25,7 +25,7 @@ def tokens_per_image(
 
 
 def _placeholder_runs(is_image_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per placeholder token: its run (one run per image, row-major) and offset in it."""
+    """Per placeholder: its run (one per image, row-major) and offset in the run."""
     starts_run_BL = is_image_BL.clone()
     starts_run_BL[:, 1:] &= ~is_image_BL[:, :-1]
     run_id_T = torch.cumsum(starts_run_BL.flatten(), dim=0) - 1

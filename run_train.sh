@@ -14,7 +14,7 @@
 #   NGPU=2 CONFIG_FILE=train_configs/cp2.toml ./run_train.sh --training.steps 5
 set -euo pipefail
 
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
 "$repo_root/scripts/bootstrap.sh"
 
 NGPU=${NGPU:-1}

@@ -1,4 +1,8 @@
-"""The parity harness: comparison, TensorBoard reading, launching, one real run."""
+"""The parity harness: comparison, TensorBoard reading, launching, suites.
+
+Runs go through a stand-in for run_train.sh; real training runs of the
+harness are exercised by the topology tests, through ``run_parity_suite``.
+"""
 
 import json
 import math
@@ -13,6 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torchtitan_ext.parity import (
     GRAD_NORM_TAG,
     LOSS_TAG,
+    ParityCase,
     ParityError,
     RunScalars,
     RunSpec,
@@ -22,9 +27,8 @@ from torchtitan_ext.parity import (
     main,
     read_tb_scalars,
     run_parity,
+    run_parity_suite,
 )
-
-SMALL = "--training.seq_len 256 --training.local_batch_size 2"
 
 
 def _f32(x: float) -> float:
@@ -188,7 +192,9 @@ def test_read_tb_errors(tmp_path):
 # ---------------------------------------------------------------------------
 
 # Accepts run_train.sh's interface, writes a seed checkpoint or TB events.
-# ``--fake.offset=X`` adds X to the loss at step 2.
+# ``--fake.offset=X`` adds X to the loss at step 2, ``--fake.exit=N`` fails
+# with exit code N; with FAKE_LAUNCH_LOG set, each launch appends its dump
+# folder's name to that file.
 FAKE_TRAIN = f"""\
 #!{sys.executable}
 import os, sys
@@ -198,6 +204,12 @@ flags = set(sys.argv[1:])
 dump = Path(args["--dump_folder"])
 assert os.environ["NGPU"] and (os.environ.get("CONFIG_FILE") or os.environ["MODULE"])
 print("fake run", os.environ["NGPU"], sys.argv[1:], flush=True)
+if os.environ.get("FAKE_LAUNCH_LOG"):
+    with open(os.environ["FAKE_LAUNCH_LOG"], "a") as f:
+        f.write(dump.name + "\\n")
+if "--fake.exit" in args:
+    print("fake failure", flush=True)
+    sys.exit(int(args["--fake.exit"]))
 if "--checkpoint.create_seed_checkpoint" in flags:
     step0 = dump / args["--checkpoint.folder"] / "step-0"
     step0.mkdir(parents=True)
@@ -327,35 +339,161 @@ def _alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# One real run: two identical single-rank jobs must match bit for bit
+# Suites: one seed and one baseline for many tests
 # ---------------------------------------------------------------------------
 
 
-def test_real_identical_runs_are_exact(tmp_path):
-    start = time.monotonic()
-    result = run_parity(
-        RunSpec(options=SMALL),
-        RunSpec(options=SMALL),
+@pytest.fixture
+def fake_launcher(tmp_path, monkeypatch):
+    """The stand-in launcher; ``launches()`` lists the runs it has started."""
+    launch_log = tmp_path / "launches.txt"
+    monkeypatch.setenv("FAKE_LAUNCH_LOG", str(launch_log))
+    fake = _script(tmp_path, FAKE_TRAIN)
+
+    def launches() -> list[str]:
+        return launch_log.read_text().split() if launch_log.exists() else []
+
+    return fake, launches
+
+
+def test_suite_makes_seed_and_baseline_once(tmp_path, fake_launcher):
+    fake, launches = fake_launcher
+    out = tmp_path / "suite"
+    results = run_parity_suite(
+        RunSpec(),
+        {
+            "cp2": RunSpec(ngpu=2),
+            "offset": ParityCase(
+                RunSpec(options="--fake.offset=1e-3"), exact=False, loss_tol=1e-2
+            ),
+        },
         steps=3,
-        seed_options=SMALL,
         exact=True,
-        output_dir=tmp_path / "parity",
-        timeout=600,
+        output_dir=out,
+        launcher=fake,
     )
-    took = time.monotonic() - start
-    assert result.passed, "\n".join(result.failures + [r.log_path for r in result.runs])
-    assert [r.step for r in result.rows] == [1, 2, 3]
-    assert result.max_dloss == 0.0 and result.max_dgrad_norm == 0.0
-    assert all(math.isfinite(r.baseline_loss) for r in result.rows)
-    assert result.png_path is not None and result.png_path.stat().st_size > 0
-    summary = json.loads(result.json_path.read_text())
-    assert summary["passed"] and summary["exact"]
-    seed = tmp_path / "parity" / "seed" / "checkpoint" / "step-0"
-    assert (seed / ".metadata").is_file()
-    for run in summary["runs"]:
-        assert run["returncode"] == 0 and run["wall_s"] > 0
-        assert Path(run["log_path"]).is_file()
-    for name in ("baseline", "test"):
-        log = (tmp_path / "parity" / f"{name}.log").read_text()
-        assert f"Loading the checkpoint from {seed}" in log
-    print(f"real parity run: {took:.1f} s")
+    assert launches() == ["seed", "baseline", "cp2", "offset"]
+    assert list(results) == ["cp2", "offset"]
+    assert all(r.passed for r in results.values())
+
+    cp2 = results["cp2"]
+    assert [r.name for r in cp2.runs] == ["seed", "baseline", "cp2"]
+    assert [r.step for r in cp2.rows] == [1, 2, 3]
+    assert cp2.max_dloss == 0.0 and cp2.max_dgrad_norm == 0.0
+    assert all(math.isfinite(r.baseline_loss) for r in cp2.rows)
+    # Both tests share the one seed and baseline run.
+    assert results["offset"].runs[:2] == cp2.runs[:2]
+    assert results["offset"].baseline is cp2.baseline
+    assert results["offset"].max_dloss == pytest.approx(1e-3, rel=1e-3)
+
+    for name, result in results.items():
+        assert result.output_dir == out
+        assert result.json_path == out / name / "parity.json"
+        assert result.png_path == out / name / "parity.png"
+        assert result.png_path.stat().st_size > 0
+        assert (out / f"{name}.log").is_file()
+        assert (out / name / f"tb_{name}").is_dir()
+        summary = json.loads(result.json_path.read_text())
+        assert summary["passed"] and summary["name"] == name
+        assert len(summary["per_step"]) == 3
+        for run in summary["runs"]:
+            assert run["returncode"] == 0 and run["wall_s"] > 0
+            assert Path(run["log_path"]).is_file()
+        seed = out / "seed" / "checkpoint" / "step-0"
+        assert f"--checkpoint.initial_load_path={seed}" in summary["runs"][2]["command"]
+    cp2_summary = json.loads(cp2.json_path.read_text())
+    assert cp2_summary["exact"] and "NGPU=2" in cp2_summary["runs"][2]["command"]
+    # The override applies to its test only; the rest keep the suite's values.
+    offset_summary = json.loads(results["offset"].json_path.read_text())
+    assert not offset_summary["exact"] and offset_summary["loss_tol"] == 1e-2
+
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["passed"] and suite["failures"] == []
+    assert [r["name"] for r in suite["runs"]] == ["seed", "baseline"]
+    assert list(suite["tests"]) == ["cp2", "offset"]
+    assert suite["tests"]["cp2"]["max_dloss"] == 0.0
+    assert suite["tests"]["cp2"]["exact"] is True
+    assert suite["tests"]["offset"]["max_dloss"] == pytest.approx(1e-3, rel=1e-3)
+    assert suite["tests"]["offset"]["exact"] is False
+    assert suite["tests"]["offset"]["png"] == str(out / "offset" / "parity.png")
+
+
+def test_suite_failing_test_does_not_stop_the_others(tmp_path, fake_launcher):
+    fake, launches = fake_launcher
+    out = tmp_path / "suite"
+    results = run_parity_suite(
+        RunSpec(),
+        {
+            "broken": RunSpec(options="--fake.exit=3"),
+            "drift": RunSpec(options="--fake.offset=1e-3"),
+            "same": RunSpec(),
+        },
+        steps=2,
+        output_dir=out,
+        launcher=fake,
+    )
+    assert launches() == ["seed", "baseline", "broken", "drift", "same"]
+    broken, drift, same = results.values()
+    assert not broken.passed and broken.png_path is None and broken.rows == []
+    assert broken.failures == [
+        f"broken run failed with exit code 3 (log: {out / 'broken.log'})"
+    ]
+    summary = json.loads(broken.json_path.read_text())
+    assert not summary["passed"] and "fake failure" in summary["runs"][2]["log_tail"]
+    assert not drift.passed and "loss_tol" in drift.failures[0]
+    assert drift.png_path is not None and drift.png_path.is_file()
+    assert same.passed and same.max_dloss == 0.0
+    suite = json.loads((out / "suite.json").read_text())
+    assert not suite["passed"]
+    assert {n: t["passed"] for n, t in suite["tests"].items()} == {
+        "broken": False,
+        "drift": False,
+        "same": True,
+    }
+    assert suite["tests"]["broken"]["max_dloss"] is None
+    assert suite["tests"]["broken"]["wall_s"] > 0
+
+
+@pytest.mark.parametrize("failing", ["seed", "baseline"])
+def test_suite_baseline_failure_fails_every_test(tmp_path, fake_launcher, failing):
+    fake, launches = fake_launcher
+    out = tmp_path / "suite"
+    fail = "--fake.exit=5"
+    results = run_parity_suite(
+        RunSpec(options=fail if failing == "baseline" else ""),
+        {"a": RunSpec(), "b": ParityCase(RunSpec(ngpu=2), exact=True)},
+        steps=2,
+        seed_options=fail if failing == "seed" else "",
+        output_dir=out,
+        launcher=fake,
+    )
+    assert launches() == ["seed", "baseline"][: 1 if failing == "seed" else 2]
+    reason = f"{failing} run failed with exit code 5 (log: {out / failing}.log)"
+    for name, result in results.items():
+        assert not result.passed and result.failures == [reason]
+        assert result.rows == [] and result.png_path is None
+        assert result.runs[-1].name == failing
+        summary = json.loads((out / name / "parity.json").read_text())
+        assert summary["failures"] == [reason]
+        assert "fake failure" in summary["runs"][-1]["log_tail"]
+    suite = json.loads((out / "suite.json").read_text())
+    assert not suite["passed"] and suite["failures"] == [reason]
+    assert all(not t["passed"] and t["wall_s"] is None for t in suite["tests"].values())
+
+
+@pytest.mark.parametrize(
+    ("tests", "error"),
+    [
+        ({}, "at least one test"),
+        ({"seed": RunSpec()}, "taken by the shared runs"),
+        ({"baseline": RunSpec()}, "taken by the shared runs"),
+        ({"a/b": RunSpec()}, "must match"),
+        ({"": RunSpec()}, "must match"),
+        ({"x": "--some.flag"}, "RunSpec or ParityCase"),
+    ],
+)
+def test_suite_rejects_bad_tests_before_running(tmp_path, tests, error):
+    out = tmp_path / "never"
+    with pytest.raises((ValueError, TypeError), match=error):
+        run_parity_suite(RunSpec(), tests, output_dir=out, launcher="/nonexistent")
+    assert not out.exists()

@@ -1,0 +1,62 @@
+"""A batch whose placeholders and images disagree fails every CP rank, without a hang."""
+
+import io
+import os
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+from torchtitan_ext.embedded_data import ensure_embedded_assets
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+def _dataset_with_stray_placeholder(out_dir: Path) -> Path:
+    """One shard of the embedded set; sample 2's caption spells an image placeholder."""
+    source = ensure_embedded_assets().dataset_dir / "embedded-0000.tar"
+    out_dir.mkdir()
+    with tarfile.open(source) as src, tarfile.open(out_dir / "bad.tar", "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            if member.name == "0002.txt":
+                data = b"one shape on gray : <|image_pad|> red circle top left"
+                member.size = len(data)
+            dst.addfile(member, io.BytesIO(data))
+    return out_dir
+
+
+def test_mismatch_fails_all_cp_ranks_with_both_counts(tmp_path):
+    dataset = _dataset_with_stray_placeholder(tmp_path / "data")
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
+    env["CONFIG_FILE"] = str(REPO / "train_configs" / "cp2.toml")
+    start = time.monotonic()
+    run = subprocess.run(
+        [
+            str(REPO / "run_train.sh"),
+            f"--dump_folder={tmp_path / 'out'}",
+            f"--dataloader.dataset_path={dataset}",
+            "--dataloader.packing_buffer_size=0",
+            "--training.seq_len=256",
+            "--training.steps=3",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    took = time.monotonic() - start
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-3000:]
+    for rank in (0, 1):
+        errors = [
+            line
+            for line in output.splitlines()
+            if line.startswith(f"[rank{rank}]:") and "Multimodal batch mismatch" in line
+        ]
+        assert errors, f"rank {rank} did not report the mismatch:\n{output[-3000:]}"
+        assert "image placeholder tokens in" in errors[0]
+        assert "but the vision-feature bank has" in errors[0]
+    assert took < TIMEOUT_S

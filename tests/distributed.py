@@ -86,6 +86,7 @@ def _entry(
 
 
 def _kill(processes: list) -> None:
+    # Results are in: no need to wait for interpreter shutdown (seconds each).
     started = [process for process in processes if process.pid is not None]
     for process in started:
         if process.is_alive():
@@ -162,8 +163,6 @@ def run_on_ranks(
                     for rank in sorted(failures)
                 )
             )
-        for process in processes:
-            process.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         _kill(processes)
         results.close()

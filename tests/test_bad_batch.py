@@ -1,4 +1,4 @@
-"""A batch whose placeholders and images disagree fails every CP rank, without a hang."""
+"""A batch whose placeholders and images disagree fails every CP rank, no hang."""
 
 import io
 import os

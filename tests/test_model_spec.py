@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
+
 from torchtitan_ext.muse_glimmer import MuseGlimmerModel, model_registry
 from torchtitan_ext.muse_glimmer import config_registry as registry
 

@@ -17,11 +17,13 @@ from .trainer import MuseGlimmerTrainer, MuseGlimmerValidator
 __all__ = [
     "muse_glimmer_debugmodel_mm",
     "muse_glimmer_debugmodel_mm_cp2",
+    "muse_glimmer_debugmodel_mm_cp2_typechecked",
     "muse_glimmer_debugmodel_mm_cp4",
     "muse_glimmer_debugmodel_mm_fsdp2",
     "muse_glimmer_debugmodel_mm_fsdp2_cp2",
     "muse_glimmer_debugmodel_mm_packed",
     "muse_glimmer_debugmodel_mm_tp2_cp2_sp",
+    "muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
     "muse_glimmer_debugmodel_mm_tp2_sp",
 ]
 
@@ -103,3 +105,20 @@ def muse_glimmer_debugmodel_mm_tp2_sp() -> MuseGlimmerTrainer.Config:
 def muse_glimmer_debugmodel_mm_tp2_cp2_sp() -> MuseGlimmerTrainer.Config:
     """Packed multimodal job under TP2 + CP2 with SP (4 ranks)."""
     return _packed_with(tensor_parallel_degree=2, context_parallel_degree=2)
+
+
+def _typechecked(job: MuseGlimmerTrainer.Config) -> MuseGlimmerTrainer.Config:
+    # torchtitan rejects selective AC with flex attention under typechecking.
+    job.debug.spmd_typechecking = True
+    job.activation_checkpoint = None
+    return job
+
+
+def muse_glimmer_debugmodel_mm_cp2_typechecked() -> MuseGlimmerTrainer.Config:
+    """CP2 with ``--debug.spmd_typechecking`` (and no activation checkpointing)."""
+    return _typechecked(muse_glimmer_debugmodel_mm_cp2())
+
+
+def muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked() -> MuseGlimmerTrainer.Config:
+    """TP2 + CP2 + SP with ``--debug.spmd_typechecking``, no activation checkpoints."""
+    return _typechecked(muse_glimmer_debugmodel_mm_tp2_cp2_sp())

@@ -9,8 +9,16 @@ from torchtitan_ext.muse_glimmer import config_registry as registry
 
 
 def _built(spec_fn):
-    torch.manual_seed(0)
     return spec_fn("debugmodel_mm").model.build()
+
+
+def _randomize(model, seed: int) -> None:
+    # Modules leave some states uninitialized until init_weights; fill them all.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
 
 
 def test_state_dict_keys_identical_and_strictly_loadable_both_ways():
@@ -20,12 +28,11 @@ def test_state_dict_keys_identical_and_strictly_loadable_both_ways():
     assert type(upstream) is not type(plugin)
     assert list(plugin.state_dict()) == list(upstream.state_dict())
 
+    _randomize(upstream, seed=0)
     plugin.load_state_dict(upstream.state_dict(), strict=True)
     for name, tensor in upstream.state_dict().items():
         assert torch.equal(plugin.state_dict()[name], tensor), name
-    torch.manual_seed(1)
-    for parameter in plugin.parameters():
-        parameter.data.normal_()
+    _randomize(plugin, seed=1)
     upstream.load_state_dict(plugin.state_dict(), strict=True)
     for name, tensor in plugin.state_dict().items():
         assert torch.equal(upstream.state_dict()[name], tensor), name

@@ -65,7 +65,7 @@ def _mm_dataloader(assets: EmbeddedAssets, tokenizer, **overrides):
     )
 
     spec = model_registry("debugmodel_mm", attn_backend="flex")
-    config = _muse_glimmer_mm_dataloader(spec, "cc12m-test")
+    config = _muse_glimmer_mm_dataloader(spec, assets.dataset)
     config = replace(
         config, dataset_path=str(assets.dataset_dir), infinite=False, **overrides
     )
@@ -264,35 +264,29 @@ def test_mm_dataloader_batches(assets: EmbeddedAssets, tokenizer, overrides) -> 
 
 
 def test_some_without_image_variant(tmp_path: Path) -> None:
-    from datasets import load_dataset
+    import pyarrow.parquet as pq
 
     assets = ensure_embedded_assets(tmp_path / "v", variant="some_without_image")
-    samples = _samples(assets.dataset_dir)
-    missing = [i for i, jpg, _ in samples if jpg is None]
-    assert missing == [i for i in range(8, 512) if i % 4 == 3]
-    assert all(c == "no image" for i, _, c in samples if i in set(missing))
+    assert assets.dataset == "obelics"
+    shards = sorted(assets.dataset_dir.glob("*.parquet"))
+    assert len(shards) == 4
+    rows = [row for shard in shards for row in pq.read_table(shard).to_pylist()]
+    assert len(rows) == 512
+    text_only = [i for i, row in enumerate(rows) if row["images"] == [None]]
+    # Runs of 64, every other one text only, shifted by 32 from shard to shard.
+    assert text_only[:3] == [64, 65, 66] and 128 + 32 in text_only
+    assert len(text_only) == 256
+    for i, row in enumerate(rows):
+        if i in text_only:
+            assert row["texts"][0].startswith("no image : ")
+        else:
+            assert row["texts"][0] is None and row["images"][1] is None
+            assert row["images"][0][:2] == b"\xff\xd8"  # a JPEG
+            assert row["texts"][1] == sample_spec(i).caption
 
-    # HF's webdataset builder (what cc12m-test uses) fills the gap with None.
-    ds = load_dataset(
-        str(assets.dataset_dir),
-        split="train",
-        data_files={"train": "*.tar"},
-        streaming=True,
-    )
-    rows = list(ds.take(16))
-    assert [r["jpg"] is None for r in rows] == [
-        i >= 8 and i % 4 == 3 for i in range(16)
-    ]
-    assert rows[11]["txt"] == "no image"
 
-
-@pytest.mark.xfail(
-    raises=TypeError,
-    strict=False,
-    reason="torchtitan 0.3.0: insert_vision_placeholders joins the None left by "
-    "a cc12m record without jpg",
-)
 def test_some_without_image_through_mm_dataloader(tmp_path: Path) -> None:
+    """torchtitan's own loader reads the variant: packed rows without images."""
     from torchtitan.components.tokenizer import MultiModalTokenizer
     from torchtitan.models.muse_glimmer.config_registry import (
         MUSE_GLIMMER_SPECIAL_TOKENS,
@@ -302,9 +296,14 @@ def test_some_without_image_through_mm_dataloader(tmp_path: Path) -> None:
     tokenizer = MultiModalTokenizer.Config(**MUSE_GLIMMER_SPECIAL_TOKENS).build(
         tokenizer_path=str(assets.tokenizer_dir)
     )
-    images = sum(
-        inputs["grid_thw"].shape[0]
-        for inputs, _ in _mm_dataloader(assets, tokenizer)
-        if inputs["grid_thw"] is not None
+    batches = list(
+        _mm_dataloader(
+            assets, tokenizer, packing_buffer_size=32, max_images_per_batch=128
+        )
     )
-    assert images == 512 - len([i for i in range(8, 512) if i % 4 == 3])
+    grids = [b["grid_thw"] for b, _ in batches if b["grid_thw"] is not None]
+    images = sum(grid.shape[0] for grid in grids)
+    assert images == 256
+    without_image = [b for b, _ in batches if b["pixel_values"] is None]
+    assert without_image and len(without_image) < len(batches)
+    assert all("special_tokens" in b for b in without_image)

@@ -23,6 +23,12 @@ EXPECTED = {
     "fsdp2_cp2.toml": (4, True, 2, 1, 2, 1),
     "tp2_sp.toml": (2, True, 1, 2, -1, 1),
     "tp2_cp2_sp.toml": (4, True, 2, 2, -1, 1),
+    "pp2.toml": (2, True, 1, 1, -1, 2),
+    "fsdp2_pp2.toml": (4, True, 1, 1, 2, 2),
+    "cp2_pp2.toml": (4, True, 2, 1, -1, 2),
+    "cp2_pp2_interleaved.toml": (4, True, 2, 1, -1, 2),
+    "tp2_pp2_sp.toml": (4, True, 1, 2, -1, 2),
+    "tp2_cp2_pp2_sp.toml": (8, True, 2, 2, -1, 2),
 }
 
 

@@ -34,9 +34,6 @@ that folder; ``TORCHTITAN_EXT_VISION_PROBE_STEPS`` changes the step count.
 import json
 import math
 import os
-import signal
-import subprocess
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -53,7 +50,8 @@ from torchtitan_ext.vision_probe import (
     take_batches,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from .training_runs import checkpoint_path, run_train
+
 STEPS = int(os.environ.get("TORCHTITAN_EXT_VISION_PROBE_STEPS", "150"))
 TIMEOUT_S = 1200  # per training run; about 4 min on 2 idle cores
 HELDOUT_SEED = 9876  # EmbeddedDataConfig.seed of the unseen images
@@ -100,47 +98,6 @@ def _train_args(seed_checkpoint: Path) -> list[str]:
     ]
 
 
-def _run_train(out: Path, name: str, ngpu: int, toml: str, args: list[str]) -> Path:
-    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump."""
-    dump = out / name
-    log = out / f"{name}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("MODULE", "CONFIG")}
-    env.update(NGPU=str(ngpu), CONFIG_FILE=str(REPO / "train_configs" / toml))
-    argv = [str(REPO / "run_train.sh"), f"--dump_folder={dump}", *args]
-    start = time.monotonic()
-    with log.open("w") as f:
-        f.write(f"# NGPU={ngpu} CONFIG_FILE={env['CONFIG_FILE']} {' '.join(argv)}\n")
-        f.flush()
-        proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # torchrun and its ranks: one process group
-        )
-        try:
-            returncode = proc.wait(timeout=TIMEOUT_S)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    wall_s = time.monotonic() - start
-    with log.open("a") as f:
-        f.write(f"# exit code {returncode} after {wall_s:.1f} s\n")
-    if returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        pytest.fail(f"{name} failed (exit {returncode}), log {log}:\n{tail}")
-    return dump
-
-
-def _checkpoint(dump: Path, step: int) -> Path:
-    path = dump / "checkpoint" / f"step-{step}"
-    assert (path / ".metadata").is_file(), f"no checkpoint at {path}"
-    return path
-
-
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory) -> Path:
     keep = os.environ.get("TORCHTITAN_EXT_VISION_PROBE_OUT")
@@ -153,18 +110,26 @@ def out_dir(tmp_path_factory) -> Path:
 def seed_checkpoint(out_dir) -> Path:
     """Initial weights made on 1 rank, loaded by both training runs."""
     args = [*FP32_DETERMINISTIC, "--checkpoint.create_seed_checkpoint"]
-    dump = _run_train(out_dir, "seed", 1, "packed.toml", [*args, "--checkpoint.enable"])
-    return _checkpoint(dump, 0)
+    dump = run_train(
+        out_dir,
+        "seed",
+        1,
+        "packed.toml",
+        [*args, "--checkpoint.enable"],
+        timeout_s=TIMEOUT_S,
+    )
+    return checkpoint_path(dump, 0)
 
 
 @pytest.fixture(scope="module")
 def trained(out_dir, seed_checkpoint) -> dict[str, Path]:
     args = _train_args(seed_checkpoint)
     runs = {"1rank": (1, "packed.toml"), "cp2": (2, "cp2.toml")}
-    return {
-        name: _checkpoint(_run_train(out_dir, name, ngpu, toml, args), STEPS)
+    dumps = {
+        name: run_train(out_dir, name, ngpu, toml, args, timeout_s=TIMEOUT_S)
         for name, (ngpu, toml) in runs.items()
     }
+    return {name: checkpoint_path(dump, STEPS) for name, dump in dumps.items()}
 
 
 def test_shuffle_moves_images_and_keeps_batches_valid():

@@ -1,8 +1,9 @@
 """muse_glimmer under context parallelism: the plug-in's model package.
 
-The model spec is torchtitan's own muse_glimmer flavor with two replacements:
-the model class (vision injection by bank index, same modules and keys) and the
-parallelize function (CP allowed for the multimodal flavor).
+The model spec is torchtitan's own muse_glimmer flavor with three replacements:
+the model class (vision injection by bank index, same modules and keys), the
+parallelize function (CP allowed for the multimodal flavor) and the pipelining
+function (the vision modules on the first stage for a user's split too).
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from .model import MuseGlimmerModel, gather_vision_rows
 from .parallelize import parallelize_muse_glimmer
+from .pipeline import pipeline_muse_glimmer
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "gather_vision_rows",
     "model_registry",
     "parallelize_muse_glimmer",
+    "pipeline_muse_glimmer",
 ]
 
 
@@ -35,5 +38,8 @@ def model_registry(flavor: str, attn_backend: str = "flex", **kwargs) -> ModelSp
         }
     )
     return dataclasses.replace(
-        upstream_spec, model=model_config, parallelize_fn=parallelize_muse_glimmer
+        upstream_spec,
+        model=model_config,
+        parallelize_fn=parallelize_muse_glimmer,
+        pipelining_fn=pipeline_muse_glimmer,
     )

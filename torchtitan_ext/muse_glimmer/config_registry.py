@@ -17,13 +17,19 @@ from .trainer import MuseGlimmerTrainer, MuseGlimmerValidator
 __all__ = [
     "muse_glimmer_debugmodel_mm",
     "muse_glimmer_debugmodel_mm_cp2",
+    "muse_glimmer_debugmodel_mm_cp2_pp2",
+    "muse_glimmer_debugmodel_mm_cp2_pp2_interleaved",
     "muse_glimmer_debugmodel_mm_cp2_typechecked",
     "muse_glimmer_debugmodel_mm_cp4",
     "muse_glimmer_debugmodel_mm_fsdp2",
     "muse_glimmer_debugmodel_mm_fsdp2_cp2",
+    "muse_glimmer_debugmodel_mm_fsdp2_pp2",
     "muse_glimmer_debugmodel_mm_packed",
+    "muse_glimmer_debugmodel_mm_pp2",
+    "muse_glimmer_debugmodel_mm_tp2_cp2_pp2_sp",
     "muse_glimmer_debugmodel_mm_tp2_cp2_sp",
     "muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
+    "muse_glimmer_debugmodel_mm_tp2_pp2_sp",
     "muse_glimmer_debugmodel_mm_tp2_sp",
 ]
 
@@ -105,6 +111,47 @@ def muse_glimmer_debugmodel_mm_tp2_sp() -> MuseGlimmerTrainer.Config:
 def muse_glimmer_debugmodel_mm_tp2_cp2_sp() -> MuseGlimmerTrainer.Config:
     """Packed multimodal job under TP2 + CP2 with SP (4 ranks)."""
     return _packed_with(tensor_parallel_degree=2, context_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_pp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under PP2 (1F1B, 2 ranks), two microbatches a step."""
+    return _packed_with(pipeline_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_fsdp2_pp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under FSDP2 x PP2 (1F1B, 4 ranks)."""
+    return _packed_with(data_parallel_shard_degree=2, pipeline_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_cp2_pp2() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under CP2 x PP2 (1F1B, 4 ranks)."""
+    return _packed_with(context_parallel_degree=2, pipeline_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_cp2_pp2_interleaved() -> MuseGlimmerTrainer.Config:
+    """CP2 x PP2 with Interleaved1F1B: 4 stages of 2 layers, 2 stages per rank.
+
+    The first and last stages count as full stages here (upstream's default
+    discounts one layer for each), so 8 layers make 4 stages.
+    """
+    job = muse_glimmer_debugmodel_mm_cp2_pp2()
+    job.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    job.parallelism.pipeline_parallel_layers_per_stage = 2
+    job.parallelism.pipeline_parallel_first_stage_less_layers = 0
+    job.parallelism.pipeline_parallel_last_stage_less_layers = 0
+    return job
+
+
+def muse_glimmer_debugmodel_mm_tp2_pp2_sp() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under TP2 x PP2 with SP (4 ranks): the 8-rank baseline."""
+    return _packed_with(tensor_parallel_degree=2, pipeline_parallel_degree=2)
+
+
+def muse_glimmer_debugmodel_mm_tp2_cp2_pp2_sp() -> MuseGlimmerTrainer.Config:
+    """Packed multimodal job under TP2 x CP2 x PP2 with SP (8 ranks)."""
+    return _packed_with(
+        tensor_parallel_degree=2, context_parallel_degree=2, pipeline_parallel_degree=2
+    )
 
 
 def _typechecked(job: MuseGlimmerTrainer.Config) -> MuseGlimmerTrainer.Config:

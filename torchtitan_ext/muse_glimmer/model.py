@@ -115,6 +115,13 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_bank_indices: torch.Tensor | None = None,
         **kwargs,
     ):
+        if (
+            self.tok_embeddings is not None
+            and self.vision_encoder is not None
+            and vision_bank_indices is not None
+            and kwargs.get("pixel_values") is None
+        ):
+            kwargs.update(self._blank_image(tokens.device))
         if get_spmd_backend() == "spmd_types":
             with multimodal_context():
                 for name in ("pixel_values", "grid_thw"):
@@ -126,6 +133,24 @@ class MuseGlimmerModel(_UpstreamModel):
             return super().forward(tokens, positions, attention_masks, **kwargs)
         finally:
             self._vision_bank_indices_BL = None
+
+    def _blank_image(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """One all-zero image of the smallest grid, for a batch without images.
+
+        The vision encoder and adapter are FSDP units of their own. A rank (or,
+        under PP, a microbatch) that skipped them would miss their all-gather
+        and gradient reduce-scatter while ranks with images wait in those
+        collectives. Encoding a blank image keeps every rank in step. No token
+        gathers its row (every bank index is -1), so the loss is unchanged and
+        the vision gradient it adds is exactly zero; AdamW then sees a zero
+        gradient where upstream, on one rank, would see none.
+        """
+        merge = self.vision_encoder.downsample_factor
+        patch_dim = self.vision_encoder.conv1_linear.in_features
+        return {
+            "pixel_values": torch.zeros(1, merge * merge, patch_dim, device=device),
+            "grid_thw": torch.tensor([[1, merge, merge]], device=device),
+        }
 
     def _inject_vision(
         self,

@@ -35,14 +35,16 @@ def _post_process_with_bank_indices(
     Upstream shards inputs, labels, positions and masks in one ``cp_shard`` call
     and nothing else. Riding along the tokens as a second channel, the bank
     indices go through that same call, so one load balancer permutes them with
-    the tokens, whichever balancer it is (headtail, ptrr, or none).
+    the tokens, whichever balancer it is (headtail, ptrr, or none). A batch
+    without images gets indices too (all -1): the model then encodes a blank
+    image, so that every rank runs the vision modules (see ``MuseGlimmerModel``).
     """
-    if spatial_merge_size is None or input_dict.get("pixel_values") is None:
+    if spatial_merge_size is None or "special_tokens" not in input_dict:
         return post_process(input_dict, labels)
     tokens_BL = input_dict["input"]
     vision_bank_indices_BL = build_vision_bank_indices(
         tokens_BL,
-        input_dict["grid_thw"],
+        input_dict.get("grid_thw"),
         image_id=input_dict["special_tokens"]["image_id"],
         spatial_merge_size=spatial_merge_size,
     )

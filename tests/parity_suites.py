@@ -1,0 +1,76 @@
+"""Shared settings and helpers of the parity test files.
+
+Each suite trains one baseline from a seed checkpoint and compares each test
+run to it (fp32 parameters, deterministic, 10 steps by default; set
+``TORCHTITAN_EXT_PARITY_STEPS`` to change). ``TORCHTITAN_EXT_PARITY_OUT`` keeps
+the runs, tables, JSON and plots in that folder instead of a temporary one.
+"""
+
+import os
+from pathlib import Path
+
+from torchtitan_ext.parity import ParityResult, RunSpec, run_parity_suite
+
+from .training_runs import REPO
+
+__all__ = [
+    "GRAD_NORM_TOL",
+    "LOSS_TOL",
+    "STEPS",
+    "TIMEOUT_S",
+    "assert_passed",
+    "maxima",
+    "output_dir",
+    "run_suite",
+    "toml_spec",
+]
+
+STEPS = int(os.environ.get("TORCHTITAN_EXT_PARITY_STEPS", "10"))
+TIMEOUT_S = 1200  # per run
+LOSS_TOL, GRAD_NORM_TOL = 1e-5, 1e-4
+
+
+def toml_spec(name: str, ngpu: int, options: str = "") -> RunSpec:
+    """A run of ``train_configs/<name>`` on ``ngpu`` ranks."""
+    return RunSpec(
+        config_file=str(REPO / "train_configs" / name), ngpu=ngpu, options=options
+    )
+
+
+def output_dir(tmp_path: Path, suite: str) -> Path:
+    keep = os.environ.get("TORCHTITAN_EXT_PARITY_OUT")
+    return Path(keep) / suite if keep else tmp_path / suite
+
+
+def maxima(result) -> str:
+    """``max|dloss|=... max|dgrad_norm|=...`` of a result or comparison."""
+    if result.max_dloss is None or result.max_dgrad_norm is None:
+        return "no comparison (a run failed)"
+    return (
+        f"max|dloss|={result.max_dloss:.3e} max|dgrad_norm|={result.max_dgrad_norm:.3e}"
+    )
+
+
+def run_suite(
+    tmp_path: Path, suite: str, baseline: RunSpec, tests: dict, **kwargs
+) -> dict[str, ParityResult]:
+    """``run_parity_suite`` at the suite settings above; prints every result."""
+    results = run_parity_suite(
+        baseline,
+        tests,
+        steps=STEPS,
+        output_dir=output_dir(tmp_path, suite),
+        loss_tol=LOSS_TOL,
+        grad_norm_tol=GRAD_NORM_TOL,
+        timeout=TIMEOUT_S,
+        **kwargs,
+    )
+    for name, result in results.items():
+        print(f"{suite}/{name}: {maxima(result)} passed={result.passed}")
+    return results
+
+
+def assert_passed(results: dict[str, ParityResult]) -> None:
+    failed = {name: r.failures for name, r in results.items() if not r.passed}
+    assert not failed, failed
+    assert all(len(r.rows) == STEPS for r in results.values())

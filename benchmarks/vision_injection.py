@@ -106,17 +106,17 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
             h_1LD.clone(), bank_TD.unsqueeze(0), vision_mask_1L
         )
         (out * weight_1LD).sum().backward()
-        return out
+        return out, h_1LD.grad, bank_TD.grad
 
     def run_plugin():
         h_1LD = h0_1LD.clone().requires_grad_()
         bank_TD = bank0_TD.clone().requires_grad_()
         out = gather_vision_rows(h_1LD, bank_TD, bank_indices_1L)
         (out * weight_1LD).sum().backward()
-        return out
+        return out, h_1LD.grad, bank_TD.grad
 
-    if not torch.equal(run_upstream(), run_plugin()):
-        raise AssertionError("the two injections disagree")
+    if not all(map(torch.equal, run_upstream(), run_plugin())):
+        raise AssertionError("the two injections disagree (values or gradients)")
     times: dict[str, list[float]] = {"upstream": [], "plugin": [], "index": []}
     for _ in range(repeats):
         times["upstream"].append(_timed(run_upstream))

@@ -5,7 +5,11 @@ import torch
 from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
 from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
 
-from torchtitan_ext.muse_glimmer import build_vision_bank_indices, model_registry
+from torchtitan_ext.muse_glimmer import model_registry
+from torchtitan_ext.muse_glimmer.trainer import (
+    _post_process_with_bank_indices,
+    _vision_geometry,
+)
 
 IMAGE_ID = 4
 VISION_PREFIXES = ("vision_encoder.", "vision_adapter.", "vision_projection.")
@@ -37,20 +41,33 @@ def test_text_only_batch_gives_zero_vision_gradients_and_upstream_output():
     generator = torch.Generator().manual_seed(1)
     tokens_BL = torch.randint(8, 35, (2, 64), generator=generator)
     positions_BL = torch.arange(64).expand(2, 64)
-    kwargs = {
+    input_dict = {
+        "input": tokens_BL,
         "positions": positions_BL,
-        "attention_masks": upstream.get_attention_masks(positions=positions_BL),
         "pixel_values": None,
         "grid_thw": None,
         "special_tokens": {"image_id": IMAGE_ID},
     }
-    bank_BL = build_vision_bank_indices(
-        tokens_BL, None, image_id=IMAGE_ID, spatial_merge_size=2
-    )
-    assert (bank_BL == -1).all()
+    masks = {"attention_masks": upstream.get_attention_masks(positions=positions_BL)}
 
-    expected = upstream(tokens_BL, **kwargs)
-    got = plugin(tokens_BL, **kwargs, vision_bank_indices=bank_BL)
+    def post_process(inputs, labels):  # upstream's, without CP and typing
+        return (
+            inputs["input"],
+            labels,
+            {k: v for k, v in inputs.items() if k != "input"},
+        )
+
+    tokens, _, kwargs = _post_process_with_bank_indices(
+        post_process, input_dict, tokens_BL, _vision_geometry(plugin.config)
+    )
+    assert torch.equal(tokens, tokens_BL)
+    assert (kwargs["vision_bank_indices"] == -1).all()
+    assert kwargs["pixel_values"].shape[0] == 1 and not kwargs["pixel_values"].any()
+
+    expected = upstream(
+        tokens_BL, **{k: v for k, v in input_dict.items() if k != "input"}, **masks
+    )
+    got = plugin(tokens, **kwargs, **masks)
     assert torch.equal(got, expected)
     expected.square().mean().backward()
     got.square().mean().backward()

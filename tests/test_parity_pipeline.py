@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 
 from torchtitan_ext.embedded_data import ensure_embedded_assets
-from torchtitan_ext.parity import compare
+from torchtitan_ext.parity import RunSpec, compare
 
 from .parity_suites import (
     GRAD_NORM_TOL,
@@ -102,8 +102,9 @@ def _images_per_row(dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
 def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path):
     """Rows, steps and DP ranks without images: no hang, same numbers.
 
-    CP2xPP2 is compared with 1 rank. FSDP2xPP2 is compared with FSDP2: two DP
-    ranks read different shards, which no 1-rank run reproduces.
+    CP2xPP2 and TP2+CP2+SP (typechecked) are compared with 1 rank; FSDP2xPP2
+    with FSDP2: two DP ranks read different shards, which no 1-rank run
+    reproduces.
     """
     one_rank = _images_per_row(1, 0, 2 * STEPS)
     per_step = [one_rank[i] + one_rank[i + 1] for i in range(0, 2 * STEPS, 2)]
@@ -116,7 +117,16 @@ def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path):
         tmp_path,
         "without_images",
         toml_spec("packed.toml", 1, NO_IMAGE_DATA),
-        {"cp2_pp2": toml_spec("cp2_pp2.toml", 4, NO_IMAGE_DATA)},
+        {
+            "cp2_pp2": toml_spec("cp2_pp2.toml", 4, NO_IMAGE_DATA),
+            # The blank image under spmd typechecking with TP > 1.
+            "tp2_cp2_sp_typechecked": RunSpec(
+                module="torchtitan_ext.muse_glimmer",
+                config="muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
+                options=NO_IMAGE_DATA,
+                ngpu=4,
+            ),
+        },
     )
     results |= run_suite(
         tmp_path,

@@ -2,10 +2,8 @@
 
 import pytest
 
-from torchtitan_ext.muse_glimmer.pipeline import (
-    VISION_MODULE_FQNS,
-    vision_on_first_stage,
-)
+from torchtitan_ext.muse_glimmer.model import VISION_MODULE_FQNS
+from torchtitan_ext.muse_glimmer.pipeline import vision_on_first_stage
 
 from .training_runs import REPO, run_train
 

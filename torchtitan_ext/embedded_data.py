@@ -12,6 +12,7 @@ Layout (``root`` defaults to ``<repo>/assets/embedded``)::
       manifest.json           generator config + sha256 of every file
       tokenizer/              tokenizer.json, tokenizer_config.json
       cc12m/                  embedded-0000.tar ... (webdataset: NNNN.jpg + NNNN.txt)
+      obelics/                embedded-0000.parquet ... (variant some_without_image)
 
 ``cc12m/`` has the layout of torchtitan's ``cc12m-test`` fixture, so torchtitan's
 own ``MMDataLoader`` reads it with ``dataset="cc12m-test"`` and
@@ -99,6 +100,7 @@ ASSETS_ENV_VAR = "TORCHTITAN_EXT_ASSETS"
 """Env var that replaces the default root ``<repo>/assets/embedded``."""
 
 VARIANTS = ("default", "some_without_image")
+"""``some_without_image`` lives in a sibling root in the OBELICS layout; see above."""
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -272,7 +274,8 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _write_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None:
+def _write_tar_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None:
+    """cc12m webdataset layout: ``NNNN.jpg`` + ``NNNN.txt`` per sample."""
     dataset_dir.mkdir(parents=True)
     per_shard = config.num_samples // config.num_shards
     for shard in range(config.num_shards):
@@ -280,9 +283,8 @@ def _write_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None:
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
             for index in range(shard * per_shard, (shard + 1) * per_shard):
                 spec = sample_spec(index, config)
-                if spec.has_image:
-                    jpg = _encode_jpeg(render_image(spec), config.jpeg_quality)
-                    _add_member(tar, f"{index:04d}.jpg", jpg)
+                jpg = _encode_jpeg(render_image(spec), config.jpeg_quality)
+                _add_member(tar, f"{index:04d}.jpg", jpg)
                 _add_member(tar, f"{index:04d}.txt", spec.caption.encode())
 
 
@@ -315,11 +317,11 @@ def _write_parquet_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None
         pq.write_table(table, dataset_dir / f"embedded-{shard:04d}.parquet")
 
 
-def _dataset_layout(variant: str) -> tuple[str, str]:
-    """(folder under root, torchtitan dataset name) of a variant."""
-    if variant == "some_without_image":
-        return "obelics", "obelics"
-    return "cc12m", "cc12m-test"
+_LAYOUTS = {
+    # variant: (folder under root, torchtitan dataset name, writer)
+    "default": ("cc12m", "cc12m-test", _write_tar_shards),
+    "some_without_image": ("obelics", "obelics", _write_parquet_shards),
+}
 
 
 def _write_tokenizer(tokenizer_dir: Path) -> None:
@@ -367,11 +369,8 @@ def generate_embedded_assets(out_dir: Path, config: EmbeddedDataConfig) -> None:
     """Write all assets into the existing, empty ``out_dir`` (not atomic; see
     ``ensure_embedded_assets``). ``manifest.json`` is written last."""
     _write_tokenizer(out_dir / "tokenizer")
-    folder, _ = _dataset_layout(config.variant)
-    if config.variant == "some_without_image":
-        _write_parquet_shards(out_dir / folder, config)
-    else:
-        _write_shards(out_dir / folder, config)
+    folder, _, write_shards = _LAYOUTS[config.variant]
+    write_shards(out_dir / folder, config)
     files = {
         p.relative_to(out_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(out_dir.rglob("*"))
@@ -421,7 +420,7 @@ def ensure_embedded_assets(
     """
     config = replace(config or EmbeddedDataConfig(), variant=variant)
     root = Path(root if root is not None else default_root(variant)).absolute()
-    folder, dataset = _dataset_layout(variant)
+    folder, dataset, _ = _LAYOUTS[variant]
     assets = EmbeddedAssets(root, root / "tokenizer", root / folder, dataset)
     if not force and _is_current(root, config):
         return assets

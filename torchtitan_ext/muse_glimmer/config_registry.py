@@ -143,7 +143,7 @@ def muse_glimmer_debugmodel_mm_cp2_pp2_interleaved() -> MuseGlimmerTrainer.Confi
 
 
 def muse_glimmer_debugmodel_mm_tp2_pp2_sp() -> MuseGlimmerTrainer.Config:
-    """Packed multimodal job under TP2 x PP2 with SP (4 ranks): the 8-rank baseline."""
+    """TP2 x PP2 with SP (4 ranks): the baseline of the 8-rank TP2xCP2xPP2 job."""
     return _packed_with(tensor_parallel_degree=2, pipeline_parallel_degree=2)
 
 

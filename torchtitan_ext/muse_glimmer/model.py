@@ -11,7 +11,15 @@ from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
 from torchtitan.models.muse_glimmer.model import _window_mask_key
 
-__all__ = ["MuseGlimmerModel", "gather_vision_rows"]
+__all__ = ["VISION_MODULE_FQNS", "MuseGlimmerModel", "gather_vision_rows"]
+
+VISION_MODULE_FQNS = (
+    "vision_encoder",
+    "vision_adapter",
+    "vision_projection",
+    "perception_emb_norm",
+)
+"""The multimodal embedding modules (data-flow order): they feed ``tok_embeddings``."""
 
 DP = MeshAxisName.DP
 CP = MeshAxisName.CP
@@ -115,13 +123,6 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_bank_indices: torch.Tensor | None = None,
         **kwargs,
     ):
-        if (
-            self.tok_embeddings is not None
-            and self.vision_encoder is not None
-            and vision_bank_indices is not None
-            and kwargs.get("pixel_values") is None
-        ):
-            kwargs.update(self._blank_image(tokens.device))
         if get_spmd_backend() == "spmd_types":
             with multimodal_context():
                 for name in ("pixel_values", "grid_thw"):
@@ -133,24 +134,6 @@ class MuseGlimmerModel(_UpstreamModel):
             return super().forward(tokens, positions, attention_masks, **kwargs)
         finally:
             self._vision_bank_indices_BL = None
-
-    def _blank_image(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """One all-zero image of the smallest grid, for a batch without images.
-
-        The vision encoder and adapter are FSDP units of their own. A rank (or,
-        under PP, a microbatch) that skipped them would miss their all-gather
-        and gradient reduce-scatter while ranks with images wait in those
-        collectives. Encoding a blank image keeps every rank in step. No token
-        gathers its row (every bank index is -1), so the loss is unchanged and
-        the vision gradient it adds is exactly zero; AdamW then sees a zero
-        gradient where upstream, on one rank, would see none.
-        """
-        merge = self.vision_encoder.downsample_factor
-        patch_dim = self.vision_encoder.conv1_linear.in_features
-        return {
-            "pixel_values": torch.zeros(1, merge * merge, patch_dim, device=device),
-            "grid_thw": torch.tensor([[1, merge, merge]], device=device),
-        }
 
     def _inject_vision(
         self,

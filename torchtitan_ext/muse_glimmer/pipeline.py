@@ -17,15 +17,9 @@ from torchtitan.models.muse_glimmer.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-__all__ = ["VISION_MODULE_FQNS", "pipeline_muse_glimmer", "vision_on_first_stage"]
+from .model import VISION_MODULE_FQNS
 
-VISION_MODULE_FQNS = (
-    "vision_encoder",
-    "vision_adapter",
-    "vision_projection",
-    "perception_emb_norm",
-)
-"""In data-flow order, as upstream prepends them to a generated split."""
+__all__ = ["pipeline_muse_glimmer", "vision_on_first_stage"]
 
 
 def _owner(fqn: str, modules: tuple[str, ...]) -> str | None:
@@ -35,9 +29,10 @@ def _owner(fqn: str, modules: tuple[str, ...]) -> str | None:
 def vision_on_first_stage(
     module_fqns_per_model_part: list[list[str]], vision_fqns: tuple[str, ...]
 ) -> list[list[str]]:
-    """The split with every module of ``vision_fqns`` in part 0, before the rest.
+    """The split with every module of ``vision_fqns`` in part 0.
 
-    Modules the split leaves out are added to part 0. A vision module named on
+    Modules the split leaves out are prepended to part 0 (a stage keeps its
+    modules by name, so the position does not matter). A vision module named on
     another part, or only in pieces, and a split whose part 0 lacks
     ``tok_embeddings``, are errors: the embedding stage needs all of them.
     """

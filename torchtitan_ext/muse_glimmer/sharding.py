@@ -13,18 +13,13 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig, SpmdLayout
 
+from .model import VISION_MODULE_FQNS
+
 __all__ = ["set_cp_vision_sharding_config"]
 
 DP = MeshAxisName.DP
 CP = MeshAxisName.CP
 TP = MeshAxisName.TP
-
-_VISION_MODULES = (
-    "vision_encoder",
-    "vision_adapter",
-    "vision_projection",
-    "perception_emb_norm",
-)
 
 
 def _on_cp(layout: SpmdLayout | None, cp_type) -> SpmdLayout | None:
@@ -94,7 +89,7 @@ def set_cp_vision_sharding_config(model_config) -> None:
     """Declare the vision modules replicated on cp (a no-op axis when cp == 1)."""
     from torchtitan.models.common.vision_encoder import VisionAttention
 
-    for name in _VISION_MODULES:
+    for name in VISION_MODULE_FQNS:
         module_config = getattr(model_config, name, None)
         if module_config is None:
             continue

@@ -13,22 +13,53 @@ from torchtitan.trainer import Trainer
 
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
-__all__ = ["MuseGlimmerTrainer", "MuseGlimmerValidator"]
+__all__ = ["MuseGlimmerTrainer", "MuseGlimmerValidator", "blank_image"]
 
 _Batch = tuple[dict[str, Any], torch.Tensor]
 _ModelInputs = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
 
 
-def _spatial_merge_size(model_config) -> int | None:
+@dataclass(frozen=True)
+class _VisionGeometry:
+    spatial_merge_size: int
+    patch_dim: int
+
+
+def _vision_geometry(model_config) -> _VisionGeometry | None:
     encoder = getattr(model_config, "vision_encoder", None)
-    return None if encoder is None else encoder.downsample_factor
+    if encoder is None:
+        return None
+    return _VisionGeometry(encoder.downsample_factor, encoder.conv1.in_features)
+
+
+def blank_image(
+    geometry: _VisionGeometry, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """One all-zero image of the smallest grid, for a batch without images.
+
+    The vision encoder and adapter are FSDP units of their own. A rank (or,
+    under PP, a microbatch) that skipped them would miss their all-gather and
+    gradient reduce-scatter while ranks with images wait in those collectives.
+    Encoding a blank image keeps every rank in step. No token gathers its row
+    (every bank index is -1), so the loss is unchanged and the vision gradient
+    is exactly zero. Unlike upstream (no gradient at all on such a step), AdamW
+    then still moves the vision parameters by momentum and weight decay, the
+    same way at every topology.
+    """
+    merge = geometry.spatial_merge_size
+    return {
+        "pixel_values": torch.zeros(
+            1, merge * merge, geometry.patch_dim, device=device
+        ),
+        "grid_thw": torch.tensor([[1, merge, merge]], device=device),
+    }
 
 
 def _post_process_with_bank_indices(
     post_process: Callable[[dict[str, Any], torch.Tensor], _ModelInputs],
     input_dict: dict[str, Any],
     labels: torch.Tensor,
-    spatial_merge_size: int | None,
+    geometry: _VisionGeometry | None,
 ) -> _ModelInputs:
     """Run upstream's post-processing with ``vision_bank_indices`` built and sharded.
 
@@ -36,18 +67,21 @@ def _post_process_with_bank_indices(
     and nothing else. Riding along the tokens as a second channel, the bank
     indices go through that same call, so one load balancer permutes them with
     the tokens, whichever balancer it is (headtail, ptrr, or none). A batch
-    without images gets indices too (all -1): the model then encodes a blank
-    image, so that every rank runs the vision modules (see ``MuseGlimmerModel``).
+    without images gets a blank image (``blank_image``) and indices all -1.
     """
-    if spatial_merge_size is None or "special_tokens" not in input_dict:
+    if geometry is None or "special_tokens" not in input_dict:
         return post_process(input_dict, labels)
     tokens_BL = input_dict["input"]
-    vision_bank_indices_BL = build_vision_bank_indices(
-        tokens_BL,
-        input_dict.get("grid_thw"),
-        image_id=input_dict["special_tokens"]["image_id"],
-        spatial_merge_size=spatial_merge_size,
-    )
+    if input_dict.get("pixel_values") is None:
+        vision_bank_indices_BL = torch.full_like(tokens_BL, -1)
+        input_dict = {**input_dict, **blank_image(geometry, tokens_BL.device)}
+    else:
+        vision_bank_indices_BL = build_vision_bank_indices(
+            tokens_BL,
+            input_dict["grid_thw"],
+            image_id=input_dict["special_tokens"]["image_id"],
+            spatial_merge_size=geometry.spatial_merge_size,
+        )
     tokens_and_indices_BL2 = torch.stack([tokens_BL, vision_bank_indices_BL], dim=-1)
     inputs_BL2, labels, extra_kwargs = post_process(
         {**input_dict, "input": tokens_and_indices_BL2}, labels
@@ -73,7 +107,7 @@ class MuseGlimmerValidator(Validator):
             ).post_dataloading_process(inputs, labels, model_parts),
             input_dict,
             labels,
-            _spatial_merge_size(getattr(model_parts[0], "config", None)),
+            _vision_geometry(getattr(model_parts[0], "config", None)),
         )
 
 
@@ -88,14 +122,14 @@ class MuseGlimmerTrainer(Trainer):
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""
-        spatial_merge_size = _spatial_merge_size(self.model_config)
+        geometry = _vision_geometry(self.model_config)
         for input_dict, labels in super().batch_generator(data_iterable):
-            if spatial_merge_size is not None and "special_tokens" in input_dict:
+            if geometry is not None and "special_tokens" in input_dict:
                 check_vision_placeholders(
                     input_dict["input"],
                     input_dict.get("grid_thw"),
                     image_id=input_dict["special_tokens"]["image_id"],
-                    spatial_merge_size=spatial_merge_size,
+                    spatial_merge_size=geometry.spatial_merge_size,
                 )
             yield input_dict, labels
 
@@ -106,7 +140,7 @@ class MuseGlimmerTrainer(Trainer):
             super().post_dataloading_process,
             input_dict,
             labels,
-            _spatial_merge_size(self.model_config),
+            _vision_geometry(self.model_config),
         )
         vision_bank_indices_BL = extra_kwargs.get("vision_bank_indices")
         if (

@@ -37,7 +37,7 @@ def _placeholder_runs(is_image_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def build_vision_bank_indices(
     tokens_BL: torch.Tensor,
-    grid_thw_N3: torch.Tensor | None,
+    grid_thw_N3: torch.Tensor,
     *,
     image_id: int,
     spatial_merge_size: int,
@@ -48,8 +48,6 @@ def build_vision_bank_indices(
     cut short by the end of a sequence still maps to the right rows, and the
     images after it are unaffected. Device-side only: no host synchronization.
     """
-    if grid_thw_N3 is None:
-        return torch.full_like(tokens_BL, -1)
     is_image_BL = tokens_BL == image_id
     run_id_BL, offset_in_run_BL = _placeholder_runs(is_image_BL)
     rows_per_image_N = tokens_per_image(grid_thw_N3, spatial_merge_size)

@@ -11,7 +11,8 @@ in every repetition so that machine noise hits both alike:
   bank indices the Trainer builds before CP sharding; building them is timed
   on its own (``index_ms``).
 
-Projection and norm are identities in both, so only the injection is timed.
+Projection and norm are identities in both, so only the injection is timed;
+both get a non-leaf copy of the embeddings, as the model's injection does.
 Every image has ``--tokens-per-image`` placeholders, spread evenly over the
 sequence with text between them.
 
@@ -104,14 +105,14 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
         bank_TD = bank0_TD.clone().requires_grad_()
         out = upstream._inject_vision(
             h_1LD.clone(), bank_TD.unsqueeze(0), vision_mask_1L
-        )
+        )  # writes in place, as into the embedding output in the model
         (out * weight_1LD).sum().backward()
         return out, h_1LD.grad, bank_TD.grad
 
     def run_plugin():
         h_1LD = h0_1LD.clone().requires_grad_()
         bank_TD = bank0_TD.clone().requires_grad_()
-        out = gather_vision_rows(h_1LD, bank_TD, bank_indices_1L)
+        out = gather_vision_rows(h_1LD.clone(), bank_TD, bank_indices_1L)
         (out * weight_1LD).sum().backward()
         return out, h_1LD.grad, bank_TD.grad
 

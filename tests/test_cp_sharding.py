@@ -15,6 +15,7 @@ from tests.distributed import run_on_ranks
 B, L, DIM = 2, 512, 8
 IMAGE = 7
 MERGE = 2
+PATCH_DIM = 1176  # only read for a batch without images
 BALANCERS = ("headtail", "ptrr", None)
 TIMEOUT_S = 300
 
@@ -90,7 +91,10 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
         gather_vision_rows,
         model_registry,
     )
-    from torchtitan_ext.muse_glimmer.trainer import _post_process_with_bank_indices
+    from torchtitan_ext.muse_glimmer.trainer import (
+        _post_process_with_bank_indices,
+        _VisionGeometry,
+    )
 
     rank = dist.get_rank()
     cp_mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
@@ -136,7 +140,10 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
         }
         labels = torch.arange(B * L).view(B, L)  # each token's global flat index
         local_tokens, local_labels, extra = _post_process_with_bank_indices(
-            post_process, input_dict, labels, MERGE
+            post_process,
+            input_dict,
+            labels,
+            _VisionGeometry(spatial_merge_size=MERGE, patch_dim=PATCH_DIM),
         )
         local_bank = extra["vision_bank_indices"]
         where = f"rank {rank}, cp={cp}, balancer={balancer}"

@@ -47,8 +47,12 @@ MERGE = 2
 DIMS = {"debugmodel_mm": 256, "30B_mm": 6656}
 
 
-class _UpstreamInjection(nn.Module):
-    """The two members upstream's ``_inject_vision`` reads, as identities."""
+class UpstreamInjection(nn.Module):
+    """torchtitan's ``_inject_vision`` on just what it reads of its model.
+
+    Projection and norm are identities, so only the injection runs; the tests
+    compare the plug-in's gather with it too.
+    """
 
     _vision_spans = UpstreamModel._vision_spans
     _inject_vision = UpstreamModel._inject_vision
@@ -91,7 +95,7 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
     bank0_TD = torch.randn(rows, dim, generator=generator)
     weight_1LD = torch.randn(1, seq_len, dim, generator=generator)
     vision_mask_1L = tokens_1L == IMAGE_ID
-    upstream = _UpstreamInjection()
+    upstream = UpstreamInjection()
 
     def index():
         return build_vision_bank_indices(

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from torch import nn
-from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as UpstreamModel
 
+from benchmarks.vision_injection import UpstreamInjection
 from torchtitan_ext.muse_glimmer import (
     build_vision_bank_indices,
     check_vision_placeholders,
@@ -183,18 +182,6 @@ def test_check_rejects_placeholders_without_images():
     _check(torch.zeros(2, 5, dtype=torch.long), None)  # text only: fine
 
 
-class _UpstreamInjection(nn.Module):
-    """Just what upstream's ``_inject_vision`` reads from its model."""
-
-    _vision_spans = UpstreamModel._vision_spans
-    _inject_vision = UpstreamModel._inject_vision
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vision_projection = nn.Identity()
-        self.perception_emb_norm = nn.Identity()
-
-
 def _compare_with_upstream(tokens, grids, h_dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     batch, seq_len = tokens.shape
@@ -211,7 +198,7 @@ def _compare_with_upstream(tokens, grids, h_dtype, seed):
 
     h_up = h0.clone().requires_grad_()
     bank_up = bank0.clone().requires_grad_()
-    upstream = _UpstreamInjection()._inject_vision(
+    upstream = UpstreamInjection()._inject_vision(
         h_up.clone(), bank_up.unsqueeze(0), tokens == IMAGE
     )
     (upstream * weight).sum().backward()

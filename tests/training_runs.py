@@ -1,21 +1,19 @@
 """Launch ``./run_train.sh`` from a test and read back what a run wrote.
 
-``run_train`` starts torchrun and its ranks as one process group, so a run
-that passes its timeout (a hang) is killed whole; its log keeps the command
-line and exit code. ``checkpoint_tensors`` flattens a DCP checkpoint (model and
-optimizer state, any world size) into ``{dotted.key: tensor}`` on one process.
+``run_train`` is the parity harness's launcher (a hang is killed whole at the
+timeout) that fails the test on a failed run. ``checkpoint_tensors`` flattens a
+DCP checkpoint (model and optimizer state, any world size) into
+``{dotted.key: tensor}`` on one process.
 """
 
-import os
-import signal
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchtitan_ext.parity import RUN_TRAIN, launch_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,39 +30,24 @@ def run_train(
     timeout_s: float,
     env: dict[str, str] | None = None,
 ) -> Path:
-    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump."""
+    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump.
+
+    Fails the test, with the log's tail, if the run fails or times out.
+    """
     dump = out / name
-    log = out / f"{name}.log"
-    run_env = {k: v for k, v in os.environ.items() if k not in ("MODULE", "CONFIG")}
-    run_env.update(NGPU=str(ngpu), CONFIG_FILE=str(REPO / "train_configs" / toml))
-    run_env.update(env or {})
-    argv = [str(REPO / "run_train.sh"), f"--dump_folder={dump}", *args]
-    start = time.monotonic()
-    with log.open("w") as f:
-        config_file = run_env["CONFIG_FILE"]
-        f.write(f"# NGPU={ngpu} CONFIG_FILE={config_file} {' '.join(argv)}\n")
-        f.flush()
-        proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=run_env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    wall_s = time.monotonic() - start
-    with log.open("a") as f:
-        f.write(f"# exit code {returncode} after {wall_s:.1f} s\n")
-    if returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        pytest.fail(f"{name} failed (exit {returncode}), log {log}:\n{tail}")
+    job_env = {"NGPU": str(ngpu), "CONFIG_FILE": str(REPO / "train_configs" / toml)}
+    record = launch_run(
+        name,
+        {**job_env, **(env or {})},
+        [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
+        out / f"{name}.log",
+        timeout=timeout_s,
+        echo=False,
+    )
+    if not record.ok:
+        tail = "\n".join(Path(record.log_path).read_text().splitlines()[-40:])
+        why = "timed out" if record.timed_out else f"exit {record.returncode}"
+        pytest.fail(f"{name} failed ({why}), log {record.log_path}:\n{tail}")
     return dump
 
 

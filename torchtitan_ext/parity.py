@@ -76,6 +76,7 @@ __all__ = [
     "StepRow",
     "compare",
     "format_table",
+    "launch_run",
     "main",
     "read_tb_scalars",
     "run_parity",
@@ -434,7 +435,7 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
             continue
 
 
-def _launch(
+def launch_run(
     name: str,
     job_env: dict[str, str],
     argv: list[str],
@@ -443,7 +444,11 @@ def _launch(
     timeout: float | None,
     echo: bool,
 ) -> RunRecord:
-    """Run one ``run_train.sh`` command to completion, teeing it to ``log_path``."""
+    """Run one ``run_train.sh`` command to completion, teeing it to ``log_path``.
+
+    torchrun and its ranks run in a session of their own, so a run past
+    ``timeout`` (a hang) is killed whole and reported as timed out.
+    """
     command = _command_string(job_env, argv)
     record = RunRecord(name=name, command=command, log_path=str(log_path))
     print(f"[parity] {name}: {command}", flush=True)
@@ -711,7 +716,7 @@ def _make_seed(s: _Session, baseline: RunSpec) -> tuple[RunRecord, list[str]]:
         "--debug.deterministic",
         f"--debug.seed={SEED}",
     ]
-    record = _launch(
+    record = launch_run(
         "seed",
         baseline.job_env(ngpu=1),
         argv,
@@ -754,7 +759,7 @@ def _train(
         "--checkpoint.load_only",
         *s.load_args,
     ]
-    record = _launch(
+    record = launch_run(
         name,
         spec.job_env(),
         argv,

@@ -30,6 +30,12 @@ else
               --config "${CONFIG:-muse_glimmer_debugmodel_mm}")
 fi
 
+# torchrun gives each rank one OpenMP thread only when a node runs several;
+# decided by the world size instead, a job computes the same on any node split.
+if (( NNODES * NGPU > 1 )); then
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+
 if (( NNODES > 1 )); then
     # Static rendezvous: ranks follow NODE_RANK, so a run is reproducible.
     rdzv_args=(--nnodes "$NNODES" --node_rank "$NODE_RANK"

@@ -2,14 +2,15 @@
 
 Times forward + backward of writing ``n`` images' feature rows into a
 ``[1, seq_len, dim]`` token-embedding tensor, both ways, alternating the two
-in every repetition so that machine noise hits both alike:
+in every repetition (and which goes first) so that machine noise hits both
+alike:
 
 - upstream: ``MuseGlimmerModel._inject_vision`` of torchtitan 0.3.0 (placeholder
   spans found with one ``.tolist()`` host sync, then one slice assignment per
   span);
-- plug-in: ``gather_vision_rows`` (one gather and one ``where``), given the
-  bank indices the Trainer builds before CP sharding; building them is timed
-  on its own (``index_ms``).
+- plug-in: ``gather_vision_rows`` (one indexed write of the bank rows, no
+  host sync), given the bank indices the Trainer builds before CP sharding;
+  building them is timed on its own (``index_ms``).
 
 Projection and norm are identities in both, so only the injection is timed;
 both get a non-leaf copy of the embeddings, as the model's injection does.
@@ -123,9 +124,10 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
     if not all(map(torch.equal, run_upstream(), run_plugin())):
         raise AssertionError("the two injections disagree (values or gradients)")
     times: dict[str, list[float]] = {"upstream": [], "plugin": [], "index": []}
-    for _ in range(repeats):
-        times["upstream"].append(_timed(run_upstream))
-        times["plugin"].append(_timed(run_plugin))
+    sides = [("upstream", run_upstream), ("plugin", run_plugin)]
+    for repeat in range(repeats):
+        for name, fn in sides[:: 1 if repeat % 2 == 0 else -1]:
+            times[name].append(_timed(fn))
         times["index"].append(_timed(index))
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
@@ -150,7 +152,7 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['dim']} | {r['images']} | {r['vision_tokens']} | "
-            f"{r['upstream_ms']:.2f} | {r['plugin_ms']:.2f} | {r['speedup']:.1f}x | "
+            f"{r['upstream_ms']:.2f} | {r['plugin_ms']:.2f} | {r['speedup']:.2f}x | "
             f"{r['index_ms']:.2f} |"
         )
     return "\n".join(lines)

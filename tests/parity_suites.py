@@ -9,6 +9,7 @@ the runs, tables, JSON and plots in that folder instead of a temporary one.
 import os
 from pathlib import Path
 
+from torchtitan_ext.embedded_data import ensure_embedded_assets
 from torchtitan_ext.parity import ParityResult, RunSpec, run_parity_suite
 
 from .training_runs import REPO
@@ -16,18 +17,47 @@ from .training_runs import REPO
 __all__ = [
     "GRAD_NORM_TOL",
     "LOSS_TOL",
+    "PACKED",
     "STEPS",
     "TIMEOUT_S",
+    "UNPACKED",
+    "UPSTREAM",
     "assert_passed",
     "maxima",
     "output_dir",
     "run_suite",
     "toml_spec",
+    "upstream_spec",
 ]
 
 STEPS = int(os.environ.get("TORCHTITAN_EXT_PARITY_STEPS", "10"))
 TIMEOUT_S = 1200  # per run
 LOSS_TOL, GRAD_NORM_TOL = 1e-5, 1e-4
+
+_assets = ensure_embedded_assets()
+# torchtitan's own job, pointed at the embedded data.
+UPSTREAM = RunSpec(
+    module="muse_glimmer",
+    config="muse_glimmer_debugmodel_mm",
+    options=f"--hf_assets_path={_assets.tokenizer_dir} "
+    f"--dataloader.dataset_path={_assets.dataset_dir}",
+)
+UNPACKED = "--training.seq_len 256 --training.local_batch_size 2"
+# The plug-in's packed.toml job, as flags for upstream's job.
+PACKED = (
+    "--dataloader.packing_buffer_size 32 --dataloader.max_images_per_batch 128 "
+    "--training.seq_len 512 --training.local_batch_size 2"
+)
+
+
+def upstream_spec(ngpu: int, options: str) -> RunSpec:
+    """torchtitan's own muse_glimmer job on ``ngpu`` ranks, with ``options``."""
+    return RunSpec(
+        module=UPSTREAM.module,
+        config=UPSTREAM.config,
+        options=f"{UPSTREAM.options} {options}",
+        ngpu=ngpu,
+    )
 
 
 def toml_spec(name: str, ngpu: int, options: str = "") -> RunSpec:

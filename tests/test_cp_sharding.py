@@ -107,7 +107,7 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
         tokens, batch["grid_thw"], image_id=IMAGE, spatial_merge_size=MERGE
     )
     h, bank_features = batch["h"], batch["bank_features"]
-    full_embedding = gather_vision_rows(h, bank_features, global_bank)
+    full_embedding = gather_vision_rows(h.clone(), bank_features, global_bank)
 
     held = {}
     for balancer in BALANCERS:

@@ -1,6 +1,7 @@
 """Numerical parity of every supported non-pipeline topology, from real runs.
 
-Settings and environment variables: ``parity_suites.py``.
+Settings and environment variables: ``parity_suites.py``. The CP2, FSDP2 x CP2
+and upstream pairs run in ``test_resume.py``, on the runs it resumes from.
 """
 
 import os
@@ -9,18 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.embedded_data import ensure_embedded_assets
-from torchtitan_ext.parity import ParityCase, RunSpec, read_tb_scalars
+from torchtitan_ext.parity import RunSpec, read_tb_scalars
 
 from .parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     STEPS,
     TIMEOUT_S,
+    UNPACKED,
+    UPSTREAM,
     assert_passed,
     output_dir,
     run_suite,
     toml_spec,
+    upstream_spec,
 )
 from .training_runs import REPO, checkpoint_path, checkpoint_tensors, run_train
 
@@ -28,33 +31,11 @@ from .training_runs import REPO, checkpoint_path, checkpoint_tensors, run_train
 GRAD_REL_TOL = 1e-4
 _RUN = {"timeout_s": TIMEOUT_S}
 
-_assets = ensure_embedded_assets()
-# torchtitan's own job, pointed at the embedded data.
-UPSTREAM = RunSpec(
-    module="muse_glimmer",
-    config="muse_glimmer_debugmodel_mm",
-    options=f"--hf_assets_path={_assets.tokenizer_dir} "
-    f"--dataloader.dataset_path={_assets.dataset_dir}",
-)
-UNPACKED = "--training.seq_len 256 --training.local_batch_size 2"
-PACKED = (
-    "--dataloader.packing_buffer_size 32 --dataloader.max_images_per_batch 128 "
-    "--training.seq_len 512 --training.local_batch_size 2"
-)
 CP2_PTRR = (
     "--parallelism.context_parallel_degree 2 "
     "--parallelism.context_parallel_load_balancer ptrr "
     "--parallelism.context_parallel_ptrr_mask_key global"
 )
-
-
-def _upstream(ngpu: int, options: str) -> RunSpec:
-    return RunSpec(
-        module=UPSTREAM.module,
-        config=UPSTREAM.config,
-        options=f"{UPSTREAM.options} {options}",
-        ngpu=ngpu,
-    )
 
 
 def _assert_suite(
@@ -63,15 +44,17 @@ def _assert_suite(
     assert_passed(run_suite(tmp_path, suite, baseline, tests, **kwargs))
 
 
-def test_packed_one_rank_baseline_vs_upstream_cp2_cp4(tmp_path):
-    """1 rank vs upstream (bitwise), CP2 with each balancer (also typechecked), CP4."""
+def test_packed_one_rank_vs_cp2_balancers_cp4(tmp_path):
+    """1 rank vs CP2 with the other balancers, ptrr typechecked, and CP4.
+
+    1 rank vs upstream (bitwise), CP2 (ptrr) and FSDP2 vs FSDP2 x CP2 are
+    compared on the runs ``test_resume.py`` resumes from.
+    """
     _assert_suite(
         tmp_path,
         "packed",
         toml_spec("packed.toml", 1),
         {
-            "upstream_1rank": ParityCase(_upstream(1, PACKED), exact=True),
-            "cp2_ptrr": toml_spec("cp2.toml", 2),
             "cp2_headtail": toml_spec(
                 "cp2.toml", 2, "--parallelism.context_parallel_load_balancer headtail"
             ),
@@ -159,15 +142,6 @@ def test_unpacked_one_rank_vs_cp2(tmp_path):
         assert step == 1 or vision, "no vision parameter received a gradient"
 
 
-def test_fsdp2_vs_fsdp2_cp2(tmp_path):
-    _assert_suite(
-        tmp_path,
-        "fsdp2",
-        toml_spec("fsdp2.toml", 2),
-        {"fsdp2_cp2": toml_spec("fsdp2_cp2.toml", 4)},
-    )
-
-
 def test_tp2_sp_vs_tp2_cp2_sp(tmp_path):
     """TP2+SP vs TP2+CP2+SP, with spmd typechecking off and on."""
     _assert_suite(
@@ -197,7 +171,7 @@ def test_plugin_is_bitwise_upstream(tmp_path, toml, degree):
     _assert_suite(
         tmp_path,
         toml.removesuffix(".toml"),
-        _upstream(2, f"{UNPACKED} {degree}"),
+        upstream_spec(2, f"{UNPACKED} {degree}"),
         {"plugin": toml_spec(toml, 2, UNPACKED)},
         seed_options=UPSTREAM.options,
         exact=True,

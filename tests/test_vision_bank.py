@@ -1,5 +1,7 @@
 """Bank indices and the gather injection, against hand-made batches and upstream."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -193,7 +195,10 @@ def _compare_with_upstream(tokens, grids, h_dtype, seed):
 
     h_ours = h0.clone().requires_grad_()
     bank_ours = bank0.clone().requires_grad_()
-    ours = gather_vision_rows(h_ours, bank_ours, _bank(tokens, grids))
+    # A non-leaf, as the embedding output in the model: the injection writes in place.
+    ours_in = h_ours.clone()
+    ours = gather_vision_rows(ours_in, bank_ours, _bank(tokens, grids))
+    assert ours is ours_in
     (ours * weight).sum().backward()
 
     h_up = h0.clone().requires_grad_()
@@ -225,3 +230,105 @@ def test_gather_matches_upstream_with_image_at_row_start():
     # HAND_TOKENS without the cut (upstream rejects a cut span): image 2 -> 3 rows.
     grids = _grids([2, 1, 3, 3])
     _compare_with_upstream(HAND_TOKENS, grids, torch.float32, seed=0)
+
+
+def _upstream_reference(tokens, grids, h0, bank0, weight):
+    h_up = h0.clone().requires_grad_()
+    bank_up = bank0.clone().requires_grad_()
+    out = UpstreamInjection()._inject_vision(
+        h_up.clone(), bank_up.unsqueeze(0), tokens == IMAGE
+    )
+    (out * weight).sum().backward()
+    return out.detach(), h_up.grad, bank_up.grad
+
+
+def _on_rank(h0, bank0, weight, bank_indices, positions):
+    """One CP rank: inject into the positions it holds (per batch row)."""
+    index = positions.unsqueeze(-1).expand(-1, -1, h0.shape[-1])
+    h = h0.gather(1, index).requires_grad_()
+    bank = bank0.clone().requires_grad_()
+    out = gather_vision_rows(h.clone(), bank, bank_indices.gather(1, positions))
+    (out * weight.gather(1, index)).sum().backward()
+    return out.detach(), h.grad, bank.grad, index
+
+
+# Row 0: image 0 at 1..2, image 1 at 4. Row 1: image 2 at 0..2, image 3 at 6..7.
+CP_TOKENS = torch.tensor(
+    [
+        [1, IMAGE, IMAGE, 2, IMAGE, 3, 4, 5],
+        [IMAGE, IMAGE, IMAGE, 5, 6, 7, IMAGE, IMAGE],
+    ]
+)
+CP_GRIDS = _grids([2, 1, 3, 2])
+# Each rank's held positions per row (CP-permuted, as ptrr may order them), and
+# bank rows: rank 0 holds 0, 4, 6 and ends on a placeholder; rank 1 holds 1, 2,
+# 5, 3 and ends on text; rank 2 holds only text in row 0 and ends on row 7,
+# the batch's last placeholder. The rows a rank does not hold share its last
+# position as their write target.
+CP_LAYOUTS = [
+    torch.tensor([[5, 1, 6], [4, 1, 6]]),
+    torch.tensor([[2, 4, 3], [2, 0, 3]]),
+    torch.tensor([[7, 0], [5, 7]]),
+]
+
+
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])
+def test_cp_ranks_write_their_rows_and_sum_to_upstream_gradients(h_dtype):
+    """Shards, gradients that cover only the rows held; their sum is upstream's."""
+    generator = torch.Generator().manual_seed(3)
+    h0 = torch.randn(2, 8, 4, generator=generator).to(h_dtype)
+    bank0 = torch.randn(8, 4, generator=generator)
+    weight = torch.randn(2, 8, 4, generator=generator).to(h_dtype)
+    bank_indices = _bank(CP_TOKENS, CP_GRIDS)
+    out_up, grad_h_up, grad_bank_up = _upstream_reference(
+        CP_TOKENS, CP_GRIDS, h0, bank0, weight
+    )
+    # The layouts cover every position: ranks 0 and 1 three each, rank 2 two.
+    held = torch.cat(CP_LAYOUTS, dim=1).sort(dim=1).values
+    assert torch.equal(held, torch.arange(8).expand(2, 8))
+
+    grad_bank_sum = torch.zeros_like(bank0)
+    for rank, positions in enumerate(CP_LAYOUTS):
+        out, grad_h, grad_bank, index = _on_rank(
+            h0, bank0, weight, bank_indices, positions
+        )
+        assert torch.equal(out, out_up.gather(1, index)), rank
+        assert torch.equal(grad_h, grad_h_up.gather(1, index)), rank
+        rows_here = bank_indices.gather(1, positions)
+        rows_here = rows_here[rows_here >= 0]
+        elsewhere = torch.ones(len(bank0), dtype=torch.bool)
+        elsewhere[rows_here] = False
+        assert torch.equal(grad_bank[rows_here], grad_bank_up[rows_here]), rank
+        assert not grad_bank[elsewhere].any(), rank
+        grad_bank_sum += grad_bank
+    assert torch.equal(grad_bank_sum, grad_bank_up)
+
+
+def test_rank_without_placeholders_keeps_its_embeddings():
+    h0 = torch.randn(1, 5, 3)
+    bank0 = torch.randn(4, 3, requires_grad=True)
+    h = h0.clone().requires_grad_()
+    out = gather_vision_rows(h.clone(), bank0, torch.full((1, 5), -1))
+    assert torch.equal(out, h0)
+    out.sum().backward()
+    assert torch.equal(h.grad, torch.ones_like(h0))
+    assert torch.equal(bank0.grad, torch.zeros_like(bank0))
+
+
+def test_deterministic_mode_neither_warns_nor_raises():
+    # Rows held elsewhere share one target: deterministic mode must accept it.
+    generator = torch.Generator().manual_seed(4)
+    h0 = torch.randn(2, 8, 4, generator=generator)
+    bank0 = torch.randn(8, 4, generator=generator)
+    weight = torch.randn(2, 8, 4, generator=generator)
+    bank_indices = _bank(CP_TOKENS, CP_GRIDS)
+    expected = _on_rank(h0, bank0, weight, bank_indices, CP_LAYOUTS[1])
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _on_rank(h0, bank0, weight, bank_indices, CP_LAYOUTS[1])
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert all(map(torch.equal, got, expected))

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from torchtitan_ext.parity import RUN_TRAIN, launch_run
+from torchtitan_ext.parity import RUN_TRAIN, RunSpec, launch_run
 
 REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["REPO", "checkpoint_path", "checkpoint_tensors", "run_train"]
+__all__ = ["REPO", "checkpoint_path", "checkpoint_tensors", "run_job", "run_train"]
 
 
 def run_train(
@@ -30,16 +30,29 @@ def run_train(
     timeout_s: float,
     env: dict[str, str] | None = None,
 ) -> Path:
-    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump.
+    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump."""
+    job = RunSpec(config_file=str(REPO / "train_configs" / toml), ngpu=ngpu)
+    return run_job(out, name, job, args, timeout_s=timeout_s, env=env)
+
+
+def run_job(
+    out: Path,
+    name: str,
+    job: RunSpec,
+    args: list[str],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """``./run_train.sh`` on ``job`` (its options, then ``args``); its dump folder.
 
     Fails the test, with the log's tail, if the run fails or times out.
     """
     dump = out / name
-    job_env = {"NGPU": str(ngpu), "CONFIG_FILE": str(REPO / "train_configs" / toml)}
     record = launch_run(
         name,
-        {**job_env, **(env or {})},
-        [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
+        {**job.job_env(), **(env or {})},
+        [str(RUN_TRAIN), f"--dump_folder={dump}", *job.option_args(), *args],
         out / f"{name}.log",
         timeout=timeout_s,
         echo=False,

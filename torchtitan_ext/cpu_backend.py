@@ -179,11 +179,17 @@ def _use_eager_flex_attention() -> None:
 
 
 def _use_eager_create_block_mask() -> None:
+    from torch.distributed.tensor.experimental._context_parallel import (
+        _attention as cp_attention,
+    )
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention, vision_encoder
 
     attention._compiled_create_block_mask = create_block_mask
     vision_encoder.compiled_create_block_mask = create_block_mask
+    # CP's per-rank mask rewrite compiles create_block_mask on first use unless
+    # this cache is set: tens of seconds of inductor per CP process on CPU.
+    cp_attention._compiled_create_block_mask = create_block_mask
 
 
 def _keep_eager_flex_under_determinism() -> None:

@@ -12,7 +12,8 @@ Layout (``root`` defaults to ``<repo>/assets/embedded``)::
       manifest.json           generator config + sha256 of every file
       tokenizer/              tokenizer.json, tokenizer_config.json
       cc12m/                  embedded-0000.tar ... (webdataset: NNNN.jpg + NNNN.txt)
-      obelics/                embedded-0000.parquet ... (variant some_without_image)
+      obelics/                embedded-0000.parquet ... (variants some_without_image,
+                              hostile)
 
 ``cc12m/`` has the layout of torchtitan's ``cc12m-test`` fixture, so torchtitan's
 own ``MMDataLoader`` reads it with ``dataset="cc12m-test"`` and
@@ -47,6 +48,15 @@ without an image. torchtitan 0.3.0 cannot read a cc12m record without a jpg
 interleaved OBELICS layout instead: ``obelics/embedded-NNNN.parquet`` with
 columns ``texts`` and ``images`` (lists; ``None`` marks the other kind), read
 with ``dataset="obelics"`` and ``dataset_path=str(assets.dataset_dir)``.
+
+Variant ``"hostile"`` (OBELICS layout too): the default samples, but positions
+1..6 of every shard hold the data a real crawl delivers (``HOSTILE_SAMPLES``):
+a JPEG cut in half, a 300x1 sliver (aspect ratio past torchtitan's limit of
+200), a text-then-image sample whose four image placeholders straddle position
+``HOSTILE_SEQ_LEN`` (256: two fit, two would be cut), an empty caption, an
+image 48x over the pixel budget and one smaller than a 14-pixel patch. The
+three that cannot be trained on come first, so two steps of two samples meet
+all six.
 """
 
 from __future__ import annotations
@@ -76,6 +86,8 @@ __all__ = [
     "COLOURS",
     "EOS_TOKEN",
     "GENERATOR_VERSION",
+    "HOSTILE_SAMPLES",
+    "HOSTILE_SEQ_LEN",
     "IMAGE_SIZES",
     "PAD_TOKEN",
     "QUADRANTS",
@@ -89,6 +101,7 @@ __all__ = [
     "default_root",
     "ensure_embedded_assets",
     "generate_embedded_assets",
+    "hostile_kind",
     "render_image",
     "sample_spec",
 ]
@@ -99,8 +112,21 @@ GENERATOR_VERSION = 2
 ASSETS_ENV_VAR = "TORCHTITAN_EXT_ASSETS"
 """Env var that replaces the default root ``<repo>/assets/embedded``."""
 
-VARIANTS = ("default", "some_without_image")
-"""``some_without_image`` lives in a sibling root in the OBELICS layout; see above."""
+VARIANTS = ("default", "some_without_image", "hostile")
+"""Other variants live in sibling roots in the OBELICS layout; see above."""
+
+HOSTILE_SAMPLES = {
+    1: "corrupt_jpeg",
+    2: "sliver_image",
+    3: "cut_by_seq_len",
+    4: "empty_caption",
+    5: "oversized_image",
+    6: "tiny_image",
+}
+"""Variant ``hostile``: position in every shard -> what is wrong with that sample."""
+
+HOSTILE_SEQ_LEN = 256
+"""The ``training.seq_len`` that cuts the ``cut_by_seq_len`` sample's placeholders."""
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -234,6 +260,13 @@ def sample_spec(index: int, config: EmbeddedDataConfig | None = None) -> SampleS
     return SampleSpec(index, height, width, background, objects, has_image)
 
 
+def hostile_kind(index: int, config: EmbeddedDataConfig) -> str | None:
+    """The ``HOSTILE_SAMPLES`` kind of sample ``index``; None if it is well formed."""
+    if config.variant != "hostile":
+        return None
+    return HOSTILE_SAMPLES.get(index % (config.num_samples // config.num_shards))
+
+
 def render_image(spec: SampleSpec) -> Image.Image:
     """Draw ``spec``: each object centred in its quadrant, 70% of the short side."""
     s = _SUPERSAMPLE
@@ -288,10 +321,45 @@ def _write_tar_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None:
                 _add_member(tar, f"{index:04d}.txt", spec.caption.encode())
 
 
+_Record = tuple[list[str | None], list[bytes | None]]
+
+
+def _hostile_record(spec: SampleSpec, kind: str, config: EmbeddedDataConfig) -> _Record:
+    """The OBELICS record of a ``HOSTILE_SAMPLES`` sample."""
+    height, width = {
+        "oversized_image": (336, 448),  # 150528 pixels; the budget is 784..3136
+        "tiny_image": (6, 8),
+        "sliver_image": (1, 300),
+        "cut_by_seq_len": (56, 56),  # 4 placeholders
+    }.get(kind, (spec.height, spec.width))
+    drawn = replace(spec, height=height, width=width)
+    jpg = _encode_jpeg(render_image(drawn), config.jpeg_quality)
+    if kind == "corrupt_jpeg":
+        jpg = jpg[: len(jpg) // 2]
+    if kind == "cut_by_seq_len":
+        # BOS + words + <|vision_start|> put the placeholders at
+        # HOSTILE_SEQ_LEN - 2 .. HOSTILE_SEQ_LEN + 1.
+        words = spec.caption.split()
+        text = " ".join(words[i % len(words)] for i in range(HOSTILE_SEQ_LEN - 4))
+        return [text, None], [None, jpg]
+    return [None, "" if kind == "empty_caption" else spec.caption], [jpg, None]
+
+
+def _obelics_record(index: int, config: EmbeddedDataConfig) -> _Record:
+    """An image-caption pair is ``texts=[None, caption]``, ``images=[jpg, None]``;
+    a text-only sample ``texts=[caption]``, ``images=[None]``."""
+    spec = sample_spec(index, config)
+    kind = hostile_kind(index, config)
+    if kind is not None:
+        return _hostile_record(spec, kind, config)
+    if not spec.has_image:
+        return [spec.caption], [None]
+    jpg = _encode_jpeg(render_image(spec), config.jpeg_quality)
+    return [None, spec.caption], [jpg, None]
+
+
 def _write_parquet_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None:
-    """OBELICS layout: an image-caption pair is ``texts=[None, caption]``,
-    ``images=[jpg, None]``; a text-only sample ``texts=[caption]``,
-    ``images=[None]``."""
+    """OBELICS layout: columns ``texts`` and ``images``, one record a row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -300,14 +368,9 @@ def _write_parquet_shards(dataset_dir: Path, config: EmbeddedDataConfig) -> None
     for shard in range(config.num_shards):
         texts, images = [], []
         for index in range(shard * per_shard, (shard + 1) * per_shard):
-            spec = sample_spec(index, config)
-            if spec.has_image:
-                jpg = _encode_jpeg(render_image(spec), config.jpeg_quality)
-                texts.append([None, spec.caption])
-                images.append([jpg, None])
-            else:
-                texts.append([spec.caption])
-                images.append([None])
+            record_texts, record_images = _obelics_record(index, config)
+            texts.append(record_texts)
+            images.append(record_images)
         table = pa.table(
             {
                 "texts": pa.array(texts, pa.list_(pa.string())),
@@ -321,6 +384,7 @@ _LAYOUTS = {
     # variant: (folder under root, torchtitan dataset name, writer)
     "default": ("cc12m", "cc12m-test", _write_tar_shards),
     "some_without_image": ("obelics", "obelics", _write_parquet_shards),
+    "hostile": ("obelics", "obelics", _write_parquet_shards),
 }
 
 

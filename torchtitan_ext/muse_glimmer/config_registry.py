@@ -12,6 +12,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_ext.embedded_data import ensure_embedded_assets
 
 from . import model_registry
+from .data import RobustMMDataLoader
 from .trainer import MuseGlimmerTrainer, MuseGlimmerValidator
 
 __all__ = [
@@ -46,6 +47,7 @@ def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Confi
     assets = ensure_embedded_assets()
     job = _as(MuseGlimmerTrainer.Config, config)
     job.validator = _as(MuseGlimmerValidator.Config, config.validator)
+    job.dataloader = _as(RobustMMDataLoader.Config, config.dataloader)
     job.model_spec = model_registry(flavor, attn_backend="flex")
     job.hf_assets_path = str(assets.tokenizer_dir)
     job.dataloader.dataset_path = str(assets.dataset_dir)

@@ -1,6 +1,5 @@
 """muse_glimmer with vision injection by bank index, so it runs under CP."""
 
-import math
 from dataclasses import dataclass
 
 import spmd_types as spmd
@@ -9,7 +8,8 @@ from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
-from torchtitan.models.muse_glimmer.model import _window_mask_key
+
+from .config_checks import check_context_parallel, check_tensor_parallel_heads
 
 __all__ = ["VISION_MODULE_FQNS", "MuseGlimmerModel", "gather_vision_rows"]
 
@@ -32,14 +32,65 @@ _BANK_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.R}
 _TOKEN_TYPE = {DP: spmd.V, CP: spmd.S(1), TP: spmd.R}
 
 
+@spmd.register_local_autograd_function
+class _WriteVisionRows(torch.autograd.Function):
+    """Write every bank row into ``h`` in place: O(bank rows x dim), no host sync.
+
+    Each bank row has one target, so the write's size is the bank's shape: the
+    flat position of its placeholder on this rank or, for a row no token here
+    gathers (held by another CP rank, a blank image's), the last position, which
+    is restored after the writes, so the result never depends on their order.
+    Gradients are upstream's slice writes': zero for ``h`` at placeholders (one
+    copy of the gradient, as for one span), the placeholder's gradient for its
+    bank row, and zero for the rows not held here.
+    """
+
+    @staticmethod
+    def forward(ctx, h_BLD, vision_bank_TD, vision_bank_indices_BL):
+        T, D = vision_bank_TD.shape
+        h_ND = h_BLD.view(-1, D)
+        indices_N = vision_bank_indices_BL.reshape(-1)
+        N = indices_N.shape[0]
+        device = indices_N.device
+        # Text tokens (-1) all land on the spare slot T, which is dropped.
+        position_T1 = torch.full((T + 1,), N, dtype=torch.long, device=device)
+        position_T1.index_put_((indices_N,), torch.arange(N, device=device))
+        elsewhere_T = position_T1[:T] == N
+        target_T = position_T1[:T].clamp(max=N - 1)
+        last_is_vision = indices_N[-1] >= 0
+        # A text token's -1 reads the bank's last row, which where() discards.
+        last_row_D = vision_bank_TD[indices_N[-1:].clamp(min=0)][0]  # no .item()
+        last_D = torch.where(last_is_vision, last_row_D, h_ND[-1])
+        h_ND.index_copy_(0, target_T, vision_bank_TD)
+        h_ND[-1] = last_D
+        ctx.mark_dirty(h_BLD)
+        ctx.save_for_backward(target_T, elsewhere_T, last_is_vision)
+        return h_BLD
+
+    @staticmethod
+    def backward(ctx, grad_BLD):
+        target_T, elsewhere_T, last_is_vision = ctx.saved_tensors
+        D = grad_BLD.shape[-1]
+        grad_h_BLD = grad_bank_TD = None
+        if ctx.needs_input_grad[1]:
+            grad_bank_TD = grad_BLD.reshape(-1, D).index_select(0, target_T)
+            grad_bank_TD.masked_fill_(elsewhere_T.unsqueeze(-1), 0)
+        if ctx.needs_input_grad[0]:
+            grad_h_BLD = grad_BLD.clone(memory_format=torch.contiguous_format)
+            grad_h_ND = grad_h_BLD.view(-1, D)
+            grad_h_ND.index_fill_(0, target_T, 0)
+            grad_h_ND[-1] = torch.where(last_is_vision, 0, grad_BLD[-1, -1])
+        return grad_h_BLD, grad_bank_TD, None
+
+
 def _gather_vision_rows_local(
     h_BLD: torch.Tensor,
     vision_bank_TD: torch.Tensor,
     vision_bank_indices_BL: torch.Tensor,
 ) -> torch.Tensor:
-    is_vision_BL1 = (vision_bank_indices_BL >= 0).unsqueeze(-1)
-    rows_BLD = vision_bank_TD[vision_bank_indices_BL.clamp(min=0)]
-    return torch.where(is_vision_BL1, rows_BLD.to(h_BLD.dtype), h_BLD)
+    return _WriteVisionRows.apply(
+        h_BLD, vision_bank_TD.to(h_BLD.dtype), vision_bank_indices_BL
+    )
 
 
 _gather_vision_rows_typed = spmd.local_map(
@@ -52,12 +103,14 @@ def gather_vision_rows(
     vision_bank_TD: torch.Tensor,
     vision_bank_indices_BL: torch.Tensor,
 ) -> torch.Tensor:
-    """Replace the embeddings of image placeholders with their vision-bank rows.
+    """Write the vision-bank rows of image placeholders into ``h`` and return it.
 
-    A gather by index: no host sync, no loop over spans, and it works on whatever
-    (CP-permuted) slice of the sequence this rank holds. The bank is replicated
-    across CP, so autograd scatters each rank's gradient into the rows it used:
-    a partial sum on cp that FSDP's reduction over (dp_shard, cp) completes.
+    In place, as upstream's ``_inject_vision`` (so ``h`` is not a leaf that
+    requires grad), but by index: no host sync, no loop over spans, writes
+    proportional to the bank, on whatever (CP-permuted) slice of the sequence
+    this rank holds. The bank is replicated across CP and each rank's gradient
+    covers only the rows it wrote: a partial sum on cp that FSDP's reduction
+    over (dp_shard, cp) completes.
     """
     if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
         return _gather_vision_rows_typed(h_BLD, vision_bank_TD, vision_bank_indices_BL)
@@ -73,46 +126,18 @@ class MuseGlimmerModel(_UpstreamModel):
     @dataclass(kw_only=True, slots=True)
     class Config(_UpstreamModel.Config):
         def update_from_config(self, *, config, **kwargs) -> None:
+            if self.vision_encoder is not None:
+                # Before upstream's update, which lowers max_seq_len to seq_len.
+                check_context_parallel(self, config)
+                check_tensor_parallel_heads(
+                    self, config.parallelism.tensor_parallel_degree
+                )
             _UpstreamModel.Config.update_from_config(self, config=config, **kwargs)
             if self.vision_encoder is None:
                 return
-            self._check_context_parallel(config)
             from .sharding import set_cp_vision_sharding_config
 
             set_cp_vision_sharding_config(self)
-
-        def _check_context_parallel(self, config) -> None:
-            parallelism = config.parallelism
-            cp = parallelism.context_parallel_degree
-            if cp <= 1:
-                return
-            tp = parallelism.tensor_parallel_degree
-            seq_len = config.training.seq_len
-            divisor = math.lcm(2 * tp * cp, 128 * cp)
-            if seq_len % divisor != 0:
-                lower = seq_len // divisor * divisor
-                nearest = [v for v in (lower, lower + divisor) if v > 0]
-                raise ValueError(
-                    f"training.seq_len={seq_len} must be divisible by "
-                    f"lcm(2*tp*cp, 128*cp) = lcm({2 * tp * cp}, {128 * cp}) = "
-                    f"{divisor} with tensor_parallel_degree={tp} and "
-                    f"context_parallel_degree={cp}; nearest valid values: "
-                    f"{', '.join(map(str, nearest))}."
-                )
-            if parallelism.context_parallel_load_balancer == "ptrr":
-                mask_keys = sorted(
-                    {
-                        _window_mask_key(layer.attention.window_size)
-                        for layer in self.layers
-                    }
-                )
-                key = parallelism.context_parallel_ptrr_mask_key
-                if key not in mask_keys:
-                    raise ValueError(
-                        "context_parallel_load_balancer='ptrr' needs "
-                        "parallelism.context_parallel_ptrr_mask_key to name one "
-                        f"of muse_glimmer's attention masks {mask_keys}; got {key!r}."
-                    )
 
     def forward(
         self,

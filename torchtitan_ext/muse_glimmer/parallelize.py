@@ -30,15 +30,6 @@ from .model import MuseGlimmerModel
 __all__ = ["parallelize_muse_glimmer"]
 
 
-def _check_vision_heads_divisible_by_tp(model: MuseGlimmerModel, tp: int) -> None:
-    vision_num_heads = model.vision_encoder.num_heads
-    if vision_num_heads % tp != 0:
-        raise ValueError(
-            f"vision_encoder num_heads ({vision_num_heads}) must be divisible by "
-            f"tensor_parallel_degree ({tp})."
-        )
-
-
 def parallelize_muse_glimmer(
     model: MuseGlimmerModel,
     *,
@@ -60,9 +51,6 @@ def parallelize_muse_glimmer(
         for module in (model.vision_encoder, model.vision_adapter)
         if module is not None
     ]
-    if vision_modules and parallel_dims.tp_enabled:
-        _check_vision_heads_divisible_by_tp(model, parallel_dims.tp)
-
     validate_config(parallel_dims, model)
     model.parallelize(parallel_dims)
 

@@ -1,5 +1,6 @@
 """The plug-in's Trainer and Validator: bank indices built before CP sharding."""
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -7,10 +8,12 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torchtitan.components.validate import Validator
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 from torchtitan.trainer import Trainer
 
+from .config_checks import check_job_config
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
 __all__ = ["MuseGlimmerTrainer", "MuseGlimmerValidator", "blank_image"]
@@ -119,6 +122,17 @@ class MuseGlimmerTrainer(Trainer):
         validator: MuseGlimmerValidator.Config = field(
             default_factory=MuseGlimmerValidator.Config
         )
+
+    def init_distributed(self) -> ParallelDims:
+        """Check the job before upstream builds its process group and ``ParallelDims``.
+
+        ``check_job_config`` needs only the config and torchrun's world size, so
+        every rank rejects a bad job the same way before any collective, and
+        before upstream's shorter checks (``ParallelDims``' bare assert on the
+        inferred dp_shard, the Trainer's sequence-length divisor) report less.
+        """
+        check_job_config(self.config, int(os.environ.get("WORLD_SIZE", "1")))
+        return super().init_distributed()
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""

@@ -1,0 +1,389 @@
+"""Hostile data: every bad sample trains as intended or is skipped by name, counted.
+
+The cases are the ``hostile`` embedded variant's (a corrupt JPEG, a sliver past
+torchtitan's aspect-ratio limit, image placeholders cut by ``seq_len``, an empty
+caption, an oversized and a sub-patch image), plus a corrupt JPEG in the cc12m
+tar layout, a record the sample processor raises on, and data without one good
+sample. Each goes through torchtitan's own loader and the plug-in's.
+"""
+
+import dataclasses
+import io
+import re
+import tarfile
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.tokenizer import MultiModalTokenizer
+from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
+from torchtitan.models.muse_glimmer.config_registry import (
+    MUSE_GLIMMER_SPECIAL_TOKENS,
+    _muse_glimmer_mm_dataloader,
+)
+
+from tests.training_runs import run_train
+from torchtitan_ext.embedded_data import (
+    HOSTILE_SAMPLES,
+    HOSTILE_SEQ_LEN,
+    EmbeddedDataConfig,
+    ensure_embedded_assets,
+    hostile_kind,
+    render_image,
+    sample_spec,
+)
+from torchtitan_ext.muse_glimmer import check_vision_placeholders, model_registry
+from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
+from torchtitan_ext.muse_glimmer.trainer import (
+    _post_process_with_bank_indices,
+    _vision_geometry,
+)
+
+# torchtitan decodes with torchvision.io, which warns once per image.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The image decoding:DeprecationWarning",
+    "ignore:'set_vital' is deprecated:UserWarning",
+)
+
+SMALL = EmbeddedDataConfig(variant="hostile", num_samples=32, num_shards=4)
+PER_SHARD = SMALL.num_samples // SMALL.num_shards
+PATCH, MIN_PIXELS, MAX_PIXELS = 14, 784, 3136  # muse_glimmer's debug loader
+SKIP = re.compile(
+    r"Skipping sample (.+?): (.*)\. Samples skipped so far on dp rank 0: (\d+)"
+)
+SKIP_REASONS = {
+    "corrupt_jpeg": "Image is incomplete or truncated",
+    "sliver_image": "Absolute aspect ratio must be smaller than 200, got 300.0",
+    "cut_by_seq_len": "260 tokens exceed training.seq_len 256, "
+    "2 image placeholder tokens among them",
+}
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    return ensure_embedded_assets(
+        tmp_path_factory.mktemp("hostile") / "embedded", variant="hostile", config=SMALL
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hostile):
+    return MultiModalTokenizer.Config(**MUSE_GLIMMER_SPECIAL_TOKENS).build(
+        tokenizer_path=str(hostile.tokenizer_dir)
+    )
+
+
+def _loader(
+    dataset_dir, dataset, tokenizer, *, robust, seq_len=HOSTILE_SEQ_LEN, **overrides
+):
+    """muse_glimmer's own loader config: upstream's loader, or the plug-in's."""
+    spec = upstream_model_registry("debugmodel_mm", attn_backend="flex")
+    config = _muse_glimmer_mm_dataloader(spec, dataset)
+    if robust:
+        config = RobustMMDataLoader.Config(
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        )
+    config = dataclasses.replace(
+        config, dataset_path=str(dataset_dir), **{"infinite": False, **overrides}
+    )
+    return config.build(
+        dp_world_size=1,
+        dp_rank=0,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=1,
+    )
+
+
+def _skips(caplog) -> list[tuple[str, str, int]]:
+    return [
+        (m[1], m[2], int(m[3]))
+        for r in caplog.records
+        if (m := SKIP.fullmatch(r.getMessage()))
+    ]
+
+
+def _jpeg(index: int) -> bytes:
+    buf = io.BytesIO()
+    render_image(sample_spec(index)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _parquet(path: Path, texts: list, images: list) -> Path:
+    path.mkdir()
+    table = pa.table(
+        {
+            "texts": pa.array(texts, pa.list_(pa.string())),
+            "images": pa.array(images, pa.list_(pa.binary())),
+        }
+    )
+    pq.write_table(table, path / "data.parquet")
+    return path
+
+
+def test_hostile_variant_records(hostile):
+    rows = [
+        row
+        for shard in sorted(hostile.dataset_dir.glob("*.parquet"))
+        for row in pq.read_table(shard).to_pylist()
+    ]
+    assert len(rows) == SMALL.num_samples and hostile.dataset == "obelics"
+    for index, row in enumerate(rows):
+        kind = hostile_kind(index, SMALL)
+        assert kind == HOSTILE_SAMPLES.get(index % PER_SHARD)
+        text, jpg = (
+            (row["texts"][0], row["images"][1])
+            if kind == "cut_by_seq_len"
+            else (row["texts"][1], row["images"][0])
+        )
+        if kind == "corrupt_jpeg":
+            with pytest.raises(OSError):
+                Image.open(io.BytesIO(jpg)).load()
+            continue
+        size = Image.open(io.BytesIO(jpg)).size
+        spec = sample_spec(index, SMALL)
+        expected = {
+            "sliver_image": (300, 1),
+            "oversized_image": (448, 336),
+            "tiny_image": (8, 6),
+            "cut_by_seq_len": (56, 56),
+        }.get(kind, (spec.width, spec.height))
+        assert size == expected, (index, kind)
+        if kind == "cut_by_seq_len":
+            assert len(text.split()) == HOSTILE_SEQ_LEN - 4
+        else:
+            assert text == ("" if kind == "empty_caption" else spec.caption)
+
+
+def test_each_hostile_case_through_the_loader(hostile, tokenizer, caplog):
+    """Upstream and the plug-in keep the same batches; only the plug-in names skips."""
+    caplog.set_level("WARNING")
+    upstream = list(_loader(hostile.dataset_dir, "obelics", tokenizer, robust=False))
+    upstream_warnings = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    batches = list(_loader(hostile.dataset_dir, "obelics", tokenizer, robust=True))
+
+    skipped = {"corrupt_jpeg", "sliver_image", "cut_by_seq_len"}
+    kinds = [hostile_kind(i, SMALL) for i in range(SMALL.num_samples)]
+    expected_skips = [
+        (f"#{i} of dp rank 0's share", SKIP_REASONS[kind])
+        for i, kind in enumerate(kinds)
+        if kind in skipped
+    ]
+    skips = _skips(caplog)
+    assert [name for name, _, _ in skips] == [name for name, _ in expected_skips]
+    for (name, reason, _), (_, why) in zip(skips, expected_skips, strict=True):
+        assert why in reason, name
+    assert [count for *_, count in skips] == list(range(1, len(expected_skips) + 1))
+    # torchtitan skips the same samples, naming none of them; the plug-in's
+    # warning carries those reasons instead.
+    unnamed = ("Cannot process all images for sample. Dropping", "Sample length")
+    assert [m.startswith(unnamed) for m in upstream_warnings].count(True) == len(skips)
+    assert not any(r.getMessage().startswith(unnamed) for r in caplog.records)
+
+    kept = [kind for kind in kinds if kind not in skipped]
+    assert len(batches) == len(upstream) == len(kept)
+    for (inputs, labels), (up_inputs, up_labels), kind in zip(
+        batches, upstream, kept, strict=True
+    ):
+        assert torch.equal(inputs["input"], up_inputs["input"])
+        assert torch.equal(labels, up_labels)
+        assert torch.equal(inputs["pixel_values"], up_inputs["pixel_values"])
+        tokens = inputs["input"][0]
+        ((t, h, w),) = inputs["grid_thw"].tolist()
+        assert MIN_PIXELS <= h * w * PATCH * PATCH <= MAX_PIXELS, kind
+        assert int((tokens == tokenizer.image_id).sum()) == h * w // 4, kind
+        trained = labels[0][labels[0] != IGNORE_INDEX]
+        if kind == "empty_caption":  # only the end of text after the image
+            assert trained.tolist() == [tokenizer.eos_id]
+        else:
+            assert len(trained) > 1, kind
+    grids = {k: b["grid_thw"].tolist() for (b, _), k in zip(batches, kept, strict=True)}
+    assert grids["oversized_image"] == [[1, 2, 4]]  # 336x448 -> 28x56
+    assert grids["tiny_image"] == [[1, 2, 2]]  # 6x8 -> 28x28
+
+
+def test_corrupt_jpeg_in_a_cc12m_tar(tmp_path, tokenizer, caplog):
+    """HF decodes a tar's jpg inside the iterator: upstream's run ends there."""
+    (tmp_path / "tar").mkdir()
+    shard = tmp_path / "tar" / "shard.tar"
+    with tarfile.open(shard, "w") as tar:
+        for index in range(3):
+            jpg = _jpeg(index)
+            for name, data in (
+                (f"{index:04d}.jpg", jpg[: len(jpg) // 2] if index == 1 else jpg),
+                (f"{index:04d}.txt", sample_spec(index).caption.encode()),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+    upstream = iter(_loader(shard.parent, "cc12m-test", tokenizer, robust=False))
+    first_upstream, _ = next(upstream)
+    with pytest.raises(OSError):
+        next(upstream)
+
+    caplog.set_level("WARNING")
+    batches = list(_loader(shard.parent, "cc12m-test", tokenizer, robust=True))
+    assert len(batches) == 2
+    # Bytes decoded by torchvision equal upstream's PIL-decoded pixels.
+    assert torch.equal(batches[0][0]["pixel_values"], first_upstream["pixel_values"])
+    ((name, reason, count),) = _skips(caplog)
+    assert name == f"{shard}:0001" and "truncated" in reason and count == 1
+
+
+def test_a_raising_sample_processor_is_a_named_skip(tmp_path, tokenizer, caplog):
+    # torchtitan joins a missing caption (None) into the text: TypeError.
+    data = _parquet(
+        tmp_path / "p",
+        [[None, None], [None, sample_spec(1).caption]],
+        [[_jpeg(0), None], [_jpeg(1), None]],
+    )
+    with pytest.raises(TypeError):
+        list(_loader(data, "obelics", tokenizer, robust=False))
+    caplog.set_level("WARNING")
+    assert len(list(_loader(data, "obelics", tokenizer, robust=True))) == 1
+    ((name, reason, count),) = _skips(caplog)
+    assert (
+        name == "#0 of dp rank 0's share"
+        and reason.startswith("TypeError: ")
+        and count == 1
+    )
+
+
+def test_data_without_a_good_sample_raises_instead_of_spinning(tmp_path, tokenizer):
+    """torchtitan's infinite loader would warn forever and never yield a batch."""
+    jpg = _jpeg(0)
+    data = _parquet(
+        tmp_path / "p",
+        [[None, sample_spec(0).caption]] * 2,
+        [[jpg[: len(jpg) // 2], None]] * 2,
+    )
+    loader = _loader(data, "obelics", tokenizer, robust=True, infinite=True)
+    errors: list[BaseException] = []
+
+    def first_batch():
+        try:
+            next(iter(loader))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=first_batch, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the loader is still looking for a good sample"
+    (error,) = errors
+    assert isinstance(error, ValueError)
+    assert "All 2 samples of dp rank 0's share of the dataset were skipped" in str(
+        error
+    )
+
+
+@pytest.fixture
+def _untyped():
+    """One process, no device mesh: skip the spmd_types annotations."""
+    previous = get_spmd_backend()
+    set_spmd_backend("full_dtensor")
+    yield
+    set_spmd_backend(previous)
+
+
+@pytest.mark.usefixtures("_untyped")
+def test_placeholders_cut_by_the_collator_train_like_the_whole_sample(
+    tmp_path, tokenizer
+):
+    """A loader that truncated instead of skipping: the cut run gets the image's
+    first rows, so the kept positions see exactly what the whole sample gives.
+
+    The hostile sample in small: BOS, 12 words, vision start, then the 4
+    placeholders of a 56x56 image at 14..17, cut by a seq_len of 16.
+    """
+    words = " ".join((sample_spec(0).caption.split() * 2)[:12])
+    data = _parquet(tmp_path / "p", [[words, None]], [[None, _jpeg(0)]])
+    loader = _loader(data, "obelics", tokenizer, robust=False, seq_len=64)
+    (sample,) = loader.dataset
+    assert len(sample["input_ids"]) == 20
+    whole = dataclasses.replace(loader.collate_fn, seq_len=20)
+    cut = dataclasses.replace(loader.collate_fn, seq_len=16)
+    (whole_inputs, _), (cut_inputs, _) = whole([sample]), cut([sample])
+    is_image = cut_inputs["input"][0] == tokenizer.image_id
+    assert is_image[-2:].all() and int(is_image.sum()) == 2  # 2 of 4 fit
+
+    plugin = model_registry("debugmodel_mm").model.build()
+    upstream = upstream_model_registry("debugmodel_mm").model.build()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in plugin.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.05)
+    upstream.load_state_dict(plugin.state_dict(), strict=True)
+    geometry = _vision_geometry(plugin.config)
+
+    def logits(model, inputs):
+        check_vision_placeholders(
+            inputs["input"],
+            inputs["grid_thw"],
+            image_id=tokenizer.image_id,
+            spatial_merge_size=geometry.spatial_merge_size,
+        )
+        tokens, _, kwargs = _post_process_with_bank_indices(
+            lambda i, labels: (
+                i["input"],
+                labels,
+                {k: v for k, v in i.items() if k != "input"},
+            ),
+            inputs,
+            inputs["input"],
+            geometry,
+        )
+        masks = model.get_attention_masks(positions=kwargs["positions"])
+        with torch.no_grad():
+            return model(tokens, **kwargs, attention_masks=masks), kwargs
+
+    whole_logits, _ = logits(plugin, whole_inputs)
+    cut_logits, kwargs = logits(plugin, cut_inputs)
+    assert kwargs["vision_bank_indices"][0, -2:].tolist() == [0, 1]
+    torch.testing.assert_close(cut_logits, whole_logits[:, :16])
+
+    up_kwargs = {k: v for k, v in cut_inputs.items() if k != "input"}
+    masks = upstream.get_attention_masks(positions=cut_inputs["positions"])
+    with pytest.raises(ValueError, match="vision_mask selects 2 positions"):
+        upstream(cut_inputs["input"], **up_kwargs, attention_masks=masks)
+
+
+def test_cp2_run_on_hostile_data(tmp_path):
+    """Two CP ranks skip the same samples by name and train two steps."""
+    assets = ensure_embedded_assets(variant="hostile")
+    run_train(
+        tmp_path,
+        "hostile_cp2",
+        2,
+        "cp2.toml",
+        [
+            "--dataloader.dataset=obelics",
+            f"--dataloader.dataset_path={assets.dataset_dir}",
+            "--dataloader.packing_buffer_size=0",
+            f"--training.seq_len={HOSTILE_SEQ_LEN}",
+            "--training.local_batch_size=2",
+            "--training.steps=2",
+        ],
+        timeout_s=300,
+        env={"LOG_RANK": "0,1"},
+    )
+    log = (tmp_path / "hostile_cp2.log").read_text().splitlines()
+    kinds = ("corrupt_jpeg", "sliver_image", "cut_by_seq_len")
+    for rank in (0, 1):
+        lines = [line for line in log if line.startswith(f"[rank{rank}]:")]
+        skips = [m.groups() for line in lines if (m := SKIP.search(line))]
+        assert [(name, int(count)) for name, _, count in skips] == [
+            (f"#{position} of dp rank 0's share", position) for position in (1, 2, 3)
+        ], rank
+        for (_, reason, _), kind in zip(skips, kinds, strict=True):
+            assert SKIP_REASONS[kind] in reason, (rank, kind)
+        assert any(re.search(r"step:\s+2\b", line) for line in lines), rank

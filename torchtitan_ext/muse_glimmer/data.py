@@ -1,0 +1,153 @@
+"""torchtitan's multimodal loader, skipping bad samples by name and counting them.
+
+torchtitan 0.3.0's ``MMDataLoader`` already resizes images into the pixel
+budget (an oversized or sub-patch image trains as intended), and drops a sample
+whose image does not decode or whose tokens exceed ``seq_len``, so a sample
+whose image placeholders would be cut never reaches the collator. What it lacks:
+
+- HF's webdataset builder decodes a cc12m ``jpg`` with PIL inside the dataset
+  iterator, so one corrupt JPEG raises out of the loader and ends the run. Here
+  the images stay undecoded bytes, which torchtitan's ``process_image`` decodes
+  inside its own error handling.
+- Its warnings name neither the sample nor how many were skipped, and an
+  exception in the sample processor (a cc12m record without a ``txt``) ends the
+  run. Here each skip is one warning with the sample's key (or its position in
+  this rank's stream), the reason, and the running count.
+- A dataset whose every sample is skipped loops forever without a batch: the
+  run hangs. Here a full pass without one sample kept is an error.
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from datasets import IterableDataset
+from torchtitan.hf_datasets.multimodal.mm_datasets import (
+    HuggingFaceMultiModalDataset,
+    MMDataLoader,
+)
+from torchtitan.tools.logging import logger
+
+__all__ = ["RobustMMDataLoader", "SampleSkipper"]
+
+
+class _HeldWarnings(logging.Filter):
+    """Holds back the warnings this thread logs on torchtitan's (root) logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread = threading.get_ident()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.thread != self._thread:
+            return True
+        self.records.append(record)
+        return False
+
+
+def _undecoded(value: Any) -> Any:
+    """An HF image left undecoded (``{"bytes", "path"}``) as what torchtitan reads."""
+    if isinstance(value, dict) and value.keys() == {"bytes", "path"}:
+        return value["bytes"] if value["bytes"] is not None else value["path"]
+    if isinstance(value, list):
+        return [_undecoded(item) for item in value]
+    return value
+
+
+class SampleSkipper:
+    """Wraps a dataset's ``sample_processor``: a bad sample is skipped by name.
+
+    Called by ``HuggingFaceMultiModalDataset.__iter__`` once per raw sample,
+    after it has counted the sample in ``_sample_idx``. Every rank of a CP or TP
+    group reads the same samples, so all of them skip the same ones and raise
+    the same error.
+    """
+
+    def __init__(
+        self,
+        process: Callable[..., dict[str, Any] | None],
+        dataset: HuggingFaceMultiModalDataset,
+        *,
+        dp_rank: int,
+    ) -> None:
+        self._process = process
+        self._dataset = dataset
+        self._dp_rank = dp_rank
+        self.skipped = 0
+        """Samples skipped by this process's loader so far."""
+        self._pass_is_full = False
+        self._kept_this_pass = 0
+        self._skipped_this_pass = 0
+
+    def __call__(self, *, sample: dict[str, Any], seq_len: int, **kwargs):
+        position = self._dataset._sample_idx - 1
+        if position == 0:
+            self._start_pass()
+        sample = {key: _undecoded(value) for key, value in sample.items()}
+        held = _HeldWarnings()
+        logger.addFilter(held)
+        try:
+            processed = self._process(sample=sample, seq_len=seq_len, **kwargs)
+            reason = "; ".join(r.getMessage() for r in held.records)
+        except Exception as error:
+            processed, reason = None, f"{type(error).__name__}: {error}"
+        finally:
+            logger.removeFilter(held)
+        if processed is None:
+            self._skip(sample, position, reason or "rejected by the sample processor")
+            return None
+        num_tokens = processed["input_ids"].shape[0]
+        if num_tokens > seq_len:
+            image_id = kwargs["tokenizer"].image_id
+            cut = int((processed["input_ids"][seq_len:] == image_id).sum())
+            reason = f"{num_tokens} tokens exceed training.seq_len {seq_len}"
+            if cut:
+                reason += f", {cut} image placeholder tokens among them"
+            self._skip(sample, position, reason)
+            return None
+        for record in held.records:  # a kept sample's warnings, unchanged
+            logger.handle(record)
+        self._kept_this_pass += 1
+        return processed
+
+    def _start_pass(self) -> None:
+        if self._pass_is_full and self._skipped_this_pass and not self._kept_this_pass:
+            raise ValueError(
+                f"All {self._skipped_this_pass} samples of dp rank {self._dp_rank}'s "
+                "share of the dataset were skipped (see the warnings above): "
+                "no batch can be built from it."
+            )
+        self._pass_is_full = True
+        self._kept_this_pass = self._skipped_this_pass = 0
+
+    def _skip(self, sample: dict[str, Any], position: int, reason: str) -> None:
+        self.skipped += 1
+        self._skipped_this_pass += 1
+        if "__key__" in sample:
+            name = f"{sample.get('__url__', '')}:{sample['__key__']}"
+        else:
+            name = f"#{position} of dp rank {self._dp_rank}'s share"
+        logger.warning(
+            f"Skipping sample {name}: {reason}. "
+            f"Samples skipped so far on dp rank {self._dp_rank}: {self.skipped}"
+        )
+
+
+class RobustMMDataLoader(MMDataLoader):
+    """torchtitan's ``MMDataLoader`` whose dataset skips bad samples by name."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MMDataLoader.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        dataset = self.dataset
+        if isinstance(dataset._data, IterableDataset):
+            dataset._data = dataset._data.decode(False)
+        dataset.sample_processor = SampleSkipper(
+            dataset.sample_processor, dataset, dp_rank=self.dp_rank
+        )

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "is_rank0",
     "job_overrides",
     "relaunch",
+    "run_on_ranks",
     "synchronize",
     "to_device",
     "train_step",
@@ -40,6 +41,20 @@ Batch = tuple[dict[str, Any], torch.Tensor]
 def in_worker() -> bool:
     """Whether this process is a rank started by ``torch.distributed.run``."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_on_ranks(
+    script: str,
+    argv: Sequence[str] | None,
+    parse: Callable[[Sequence[str] | None], tuple[argparse.Namespace, list[str]]],
+    worker: Callable[[argparse.Namespace, list[str]], None],
+) -> int:
+    """A benchmark's ``main``: started plainly it reruns itself on ``--nproc`` ranks."""
+    args, extra = parse(argv)
+    if not in_worker():
+        return relaunch(script, sys.argv[1:] if argv is None else argv, args.nproc)
+    worker(args, extra)
+    return 0
 
 
 def relaunch(script: str, argv: Sequence[str], nproc: int) -> int:

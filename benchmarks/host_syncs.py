@@ -416,13 +416,7 @@ def _report(args, extra, trainer, summaries: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = _parse(argv)
-    if not _cp_step.in_worker():
-        return _cp_step.relaunch(
-            __file__, sys.argv[1:] if argv is None else argv, args.nproc
-        )
-    _worker(args, extra)
-    return 0
+    return _cp_step.run_on_ranks(__file__, argv, _parse, _worker)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ whose image placeholders would be cut never reaches the collator. What it lacks:
   this rank's stream), the reason, and the running count.
 - A dataset whose every sample is skipped loops forever without a batch: the
   run hangs. Here a full pass without one sample kept is an error.
+- After a resume, every pass of its infinite loop restarts at the checkpointed
+  position instead of the start (see ``_ResumedOnce``). Here only the first
+  pass does, as in the uninterrupted run.
 """
 
 import logging
@@ -136,6 +139,30 @@ class SampleSkipper:
         )
 
 
+class _ResumedOnce:
+    """An HF stream that starts at a loaded state for one pass, not for every pass.
+
+    HF's ``IterableDataset`` re-applies a loaded state on each ``__iter__`` of
+    the saved epoch, and torchtitan's infinite loop never advances the epoch. So
+    after a resume each later pass replayed only the tail of a rank's data (the
+    run diverged from the uninterrupted one) and, when the checkpoint was taken
+    at the end of that data, yielded nothing, forever: the job hung.
+    """
+
+    def __init__(self, stream: IterableDataset) -> None:
+        self._stream = stream
+
+    def __iter__(self):
+        yield from self._stream
+        self._stream._starting_state_dict = None  # HF has no public way to drop it
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._stream.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._stream.load_state_dict(state_dict)
+
+
 class RobustMMDataLoader(MMDataLoader):
     """torchtitan's ``MMDataLoader`` whose dataset skips bad samples by name."""
 
@@ -147,7 +174,7 @@ class RobustMMDataLoader(MMDataLoader):
         super().__init__(config, **kwargs)
         dataset = self.dataset
         if isinstance(dataset._data, IterableDataset):
-            dataset._data = dataset._data.decode(False)
+            dataset._data = _ResumedOnce(dataset._data.decode(False))
         dataset.sample_processor = SampleSkipper(
             dataset.sample_processor, dataset, dp_rank=self.dp_rank
         )

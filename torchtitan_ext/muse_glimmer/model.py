@@ -55,7 +55,6 @@ class _WriteVisionRows(torch.autograd.Function):
         # Text tokens (-1) all land on the spare slot T, which is dropped.
         position_T1 = torch.full((T + 1,), N, dtype=torch.long, device=device)
         position_T1.index_put_((indices_N,), torch.arange(N, device=device))
-        elsewhere_T = position_T1[:T] == N
         target_T = position_T1[:T].clamp(max=N - 1)
         last_is_vision = indices_N[-1] >= 0
         # A text token's -1 reads the bank's last row, which where() discards.
@@ -64,22 +63,24 @@ class _WriteVisionRows(torch.autograd.Function):
         h_ND.index_copy_(0, target_T, vision_bank_TD)
         h_ND[-1] = last_D
         ctx.mark_dirty(h_BLD)
-        ctx.save_for_backward(target_T, elsewhere_T, last_is_vision)
+        ctx.save_for_backward(target_T, position_T1[:T] == N, last_is_vision)
         return h_BLD
 
     @staticmethod
     def backward(ctx, grad_BLD):
         target_T, elsewhere_T, last_is_vision = ctx.saved_tensors
         D = grad_BLD.shape[-1]
+        grad_ND = grad_BLD.reshape(-1, D)
         grad_h_BLD = grad_bank_TD = None
         if ctx.needs_input_grad[1]:
-            grad_bank_TD = grad_BLD.reshape(-1, D).index_select(0, target_T)
+            grad_bank_TD = grad_ND.index_select(0, target_T)
             grad_bank_TD.masked_fill_(elsewhere_T.unsqueeze(-1), 0)
         if ctx.needs_input_grad[0]:
-            grad_h_BLD = grad_BLD.clone(memory_format=torch.contiguous_format)
-            grad_h_ND = grad_h_BLD.view(-1, D)
-            grad_h_ND.index_fill_(0, target_T, 0)
-            grad_h_ND[-1] = torch.where(last_is_vision, 0, grad_BLD[-1, -1])
+            grad_h_ND = grad_ND.index_fill(0, target_T, 0)
+            # The rows held elsewhere cleared the last position too: restore it.
+            zero = grad_ND.new_zeros(())
+            torch.where(last_is_vision, zero, grad_ND[-1], out=grad_h_ND[-1])
+            grad_h_BLD = grad_h_ND.view_as(grad_BLD)
         return grad_h_BLD, grad_bank_TD, None
 
 

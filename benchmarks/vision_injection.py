@@ -1,9 +1,9 @@
 """Vision injection: the plug-in's bank-index gather vs torchtitan's span loop.
 
-Times forward + backward of writing ``n`` images' feature rows into a
-``[1, seq_len, dim]`` token-embedding tensor, both ways, alternating the two
-in every repetition (and which goes first) so that machine noise hits both
-alike:
+Times the forward and the backward (from a fixed output gradient) of writing
+``n`` images' feature rows into a ``[1, seq_len, dim]`` token-embedding tensor,
+both ways, alternating the two in every repetition (and which goes first) so
+that machine noise hits both alike:
 
 - upstream: ``MuseGlimmerModel._inject_vision`` of torchtitan 0.3.0 (placeholder
   spans found with one ``.tolist()`` host sync, then one slice assignment per
@@ -82,10 +82,28 @@ def _batch(seq_len: int, images: int, tokens_per_image: int):
     return tokens_1L, grid_thw_N3
 
 
-def _timed(fn) -> float:
+def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD):
+    """Run one injection: (forward ms, backward ms, (out, h grad, bank grad))."""
+    h_1LD = h0_1LD.clone().requires_grad_()
+    bank_TD = bank0_TD.clone().requires_grad_()
+    # A non-leaf copy to write into, as the embedding output in the model.
+    h_in_1LD = h_1LD.clone()
     start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    out_1LD = inject(h_in_1LD, bank_TD)
+    forward_end = time.perf_counter()
+    out_1LD.backward(grad_1LD)
+    backward_end = time.perf_counter()
+    forward_ms = (forward_end - start) * 1e3
+    backward_ms = (backward_end - forward_end) * 1e3
+    return forward_ms, backward_ms, (out_1LD, h_1LD.grad, bank_TD.grad)
+
+
+def _median_ratio(upstream_ms: list[float], plugin_ms: list[float]):
+    """Median and quartiles of the back-to-back pairs' time ratios."""
+    # Each repetition runs both sides back to back: their ratio shares the noise.
+    ratios = [u / p for u, p in zip(upstream_ms, plugin_ms, strict=True)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), [quartiles[0], quartiles[2]]
 
 
 def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats: int):
@@ -94,7 +112,7 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
     generator = torch.Generator().manual_seed(0)
     h0_1LD = torch.randn(1, seq_len, dim, generator=generator)
     bank0_TD = torch.randn(rows, dim, generator=generator)
-    weight_1LD = torch.randn(1, seq_len, dim, generator=generator)
+    grad_1LD = torch.randn(1, seq_len, dim, generator=generator)
     vision_mask_1L = tokens_1L == IMAGE_ID
     upstream = UpstreamInjection()
 
@@ -104,61 +122,64 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
         )
 
     bank_indices_1L = index()
-
-    def run_upstream():
-        h_1LD = h0_1LD.clone().requires_grad_()
-        bank_TD = bank0_TD.clone().requires_grad_()
-        out = upstream._inject_vision(
-            h_1LD.clone(), bank_TD.unsqueeze(0), vision_mask_1L
-        )  # writes in place, as into the embedding output in the model
-        (out * weight_1LD).sum().backward()
-        return out, h_1LD.grad, bank_TD.grad
-
-    def run_plugin():
-        h_1LD = h0_1LD.clone().requires_grad_()
-        bank_TD = bank0_TD.clone().requires_grad_()
-        out = gather_vision_rows(h_1LD.clone(), bank_TD, bank_indices_1L)
-        (out * weight_1LD).sum().backward()
-        return out, h_1LD.grad, bank_TD.grad
-
-    if not all(map(torch.equal, run_upstream(), run_plugin())):
-        raise AssertionError("the two injections disagree (values or gradients)")
-    times: dict[str, list[float]] = {"upstream": [], "plugin": [], "index": []}
-    sides = [("upstream", run_upstream), ("plugin", run_plugin)]
-    for repeat in range(repeats):
-        for name, fn in sides[:: 1 if repeat % 2 == 0 else -1]:
-            times[name].append(_timed(fn))
-        times["index"].append(_timed(index))
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    # Each repetition runs both sides back to back: their ratio shares the noise.
-    ratios = [u / p for u, p in zip(times["upstream"], times["plugin"], strict=True)]
-    quartiles = statistics.quantiles(ratios, n=4) if repeats > 1 else ratios * 3
-    return {
-        "seq_len": seq_len,
-        "dim": dim,
-        "images": images,
-        "vision_tokens": rows,
-        "upstream_ms": medians["upstream"],
-        "plugin_ms": medians["plugin"],
-        "index_ms": medians["index"],
-        "speedup": statistics.median(ratios),
-        "speedup_quartiles": [quartiles[0], quartiles[2]],
-        "repeats": repeats,
+    sides = {
+        "upstream": lambda h, bank: upstream._inject_vision(
+            h, bank.unsqueeze(0), vision_mask_1L
+        ),
+        "plugin": lambda h, bank: gather_vision_rows(h, bank, bank_indices_1L),
     }
+    upstream_run, plugin_run = (
+        _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD)[2]
+        for inject in sides.values()
+    )
+    if not all(map(torch.equal, upstream_run, plugin_run)):
+        raise AssertionError("the two injections disagree (values or gradients)")
+    phases = ("forward", "backward")
+    times = {name: {phase: [] for phase in phases} for name in sides}
+    index_ms = []
+    names = list(sides)
+    for repeat in range(repeats):
+        for name in names[:: 1 if repeat % 2 == 0 else -1]:
+            run_ms = _forward_backward(sides[name], h0_1LD, bank0_TD, grad_1LD)[:2]
+            for phase, ms in zip(phases, run_ms, strict=True):
+                times[name][phase].append(ms)
+        start = time.perf_counter()
+        index()
+        index_ms.append((time.perf_counter() - start) * 1e3)
+    row = {"seq_len": seq_len, "dim": dim, "images": images, "vision_tokens": rows}
+    for name, by_phase in times.items():
+        by_phase["total"] = list(map(sum, zip(*by_phase.values(), strict=True)))
+        row[f"{name}_ms"] = statistics.median(by_phase["total"])
+        for phase in phases:
+            row[f"{name}_{phase}_ms"] = statistics.median(by_phase[phase])
+    for phase, key in (
+        ("total", "speedup"),
+        ("forward", "speedup_forward"),
+        ("backward", "speedup_backward"),
+    ):
+        row[key], row[f"{key}_quartiles"] = _median_ratio(
+            times["upstream"][phase], times["plugin"][phase]
+        )
+    row["index_ms"] = statistics.median(index_ms)
+    row["repeats"] = repeats
+    return row
 
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| dim | images | vision tokens | upstream ms | plug-in ms | speedup | "
-        "speedup quartiles | index build ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| dim | images | vision tokens | upstream fwd / bwd ms | plug-in fwd / bwd ms "
+        "| speedup fwd | speedup bwd | speedup fwd+bwd | fwd+bwd quartiles "
+        "| index build ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         low, high = r["speedup_quartiles"]
         lines.append(
             f"| {r['dim']} | {r['images']} | {r['vision_tokens']} | "
-            f"{r['upstream_ms']:.2f} | {r['plugin_ms']:.2f} | {r['speedup']:.2f}x | "
-            f"{low:.2f}-{high:.2f}x | {r['index_ms']:.2f} |"
+            f"{r['upstream_forward_ms']:.2f} / {r['upstream_backward_ms']:.2f} | "
+            f"{r['plugin_forward_ms']:.2f} / {r['plugin_backward_ms']:.2f} | "
+            f"{r['speedup_forward']:.2f}x | {r['speedup_backward']:.2f}x | "
+            f"{r['speedup']:.2f}x | {low:.2f}-{high:.2f}x | {r['index_ms']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -183,8 +204,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ]
     print(
         f"seq_len {args.seq_len}, {args.tokens_per_image} tokens per image, fp32, "
-        f"forward+backward, median of {args.repeats}, {args.threads} thread(s); "
-        "speedup: median (and quartiles) of the back-to-back pairs' time ratios"
+        f"median of {args.repeats}, {args.threads} thread(s); speedup: median (and "
+        "quartiles) of the back-to-back pairs' time ratios"
     )
     print(_table(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)

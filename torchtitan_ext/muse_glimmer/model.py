@@ -52,7 +52,7 @@ class _WriteVisionRows(torch.autograd.Function):
         indices_N = vision_bank_indices_BL.reshape(-1)
         N = indices_N.shape[0]
         device = indices_N.device
-        # Text tokens (-1 mod T + 1) all land on the spare slot T, which is dropped.
+        # remainder() sends every text token's -1 to the spare slot T, which is dropped.
         position_T1 = torch.full((T + 1,), N, dtype=torch.long, device=device)
         position_T1.scatter_(
             0, indices_N.remainder(T + 1), torch.arange(N, device=device)

@@ -227,7 +227,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from torchtitan.config import ConfigManager
 
-    from torchtitan_ext.muse_glimmer.model import VISION_MODULE_FQNS
+    from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
 
     with tempfile.TemporaryDirectory() as dump:
         config = ConfigManager().parse_args(_job_args(args, world, dump))

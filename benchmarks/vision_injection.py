@@ -28,40 +28,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from torchtitan_ext import cpu_backend
 
 cpu_backend.apply()
 
-from torchtitan.models.muse_glimmer.model import (  # noqa: E402
-    MuseGlimmerModel as UpstreamModel,
-)
-
 from torchtitan_ext.muse_glimmer import (  # noqa: E402
     build_vision_bank_indices,
     gather_vision_rows,
 )
+from torchtitan_ext.tools.upstream_injection import UpstreamInjection  # noqa: E402
 
 IMAGE_ID = 4
 MERGE = 2
 DIMS = {"debugmodel_mm": 256, "30B_mm": 6656}
-
-
-class UpstreamInjection(nn.Module):
-    """torchtitan's ``_inject_vision`` on just what it reads of its model.
-
-    Projection and norm are identities, so only the injection runs; the tests
-    compare the plug-in's gather with it too.
-    """
-
-    _vision_spans = UpstreamModel._vision_spans
-    _inject_vision = UpstreamModel._inject_vision
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vision_projection = nn.Identity()
-        self.perception_emb_norm = nn.Identity()
 
 
 def _batch(seq_len: int, images: int, tokens_per_image: int):

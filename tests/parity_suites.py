@@ -9,8 +9,7 @@ the runs, tables, JSON and plots in that folder instead of a temporary one.
 import os
 from pathlib import Path
 
-from torchtitan_ext.embedded_data import ensure_embedded_assets
-from torchtitan_ext.parity import ParityResult, RunSpec, run_parity_suite
+from torchtitan_ext.tools.parity import ParityResult, RunSpec, run_parity_suite
 
 from .training_runs import REPO
 
@@ -21,7 +20,7 @@ __all__ = [
     "STEPS",
     "TIMEOUT_S",
     "UNPACKED",
-    "UPSTREAM",
+    "upstream_data_options",
     "assert_passed",
     "maxima",
     "output_dir",
@@ -34,14 +33,6 @@ STEPS = int(os.environ.get("TORCHTITAN_EXT_PARITY_STEPS", "10"))
 TIMEOUT_S = 1200  # per run
 LOSS_TOL, GRAD_NORM_TOL = 1e-5, 1e-4
 
-_assets = ensure_embedded_assets()
-# torchtitan's own job, pointed at the embedded data.
-UPSTREAM = RunSpec(
-    module="muse_glimmer",
-    config="muse_glimmer_debugmodel_mm",
-    options=f"--hf_assets_path={_assets.tokenizer_dir} "
-    f"--dataloader.dataset_path={_assets.dataset_dir}",
-)
 UNPACKED = "--training.seq_len 256 --training.local_batch_size 2"
 # The plug-in's packed.toml job, as flags for upstream's job.
 PACKED = (
@@ -50,12 +41,20 @@ PACKED = (
 )
 
 
-def upstream_spec(ngpu: int, options: str) -> RunSpec:
+def upstream_data_options(assets) -> str:
+    """Flags that point torchtitan's own job at the embedded ``assets``."""
+    return (
+        f"--hf_assets_path={assets.tokenizer_dir} "
+        f"--dataloader.dataset_path={assets.dataset_dir}"
+    )
+
+
+def upstream_spec(assets, ngpu: int, options: str) -> RunSpec:
     """torchtitan's own muse_glimmer job on ``ngpu`` ranks, with ``options``."""
     return RunSpec(
-        module=UPSTREAM.module,
-        config=UPSTREAM.config,
-        options=f"{UPSTREAM.options} {options}",
+        module="muse_glimmer",
+        config="muse_glimmer_debugmodel_mm",
+        options=f"{upstream_data_options(assets)} {options}",
         ngpu=ngpu,
     )
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from torchtitan_ext.parity import RUN_TRAIN, RunSpec, launch_run
+from torchtitan_ext.tools.parity import RUN_TRAIN, RunSpec, launch_run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,8 @@
 The model spec is torchtitan's own muse_glimmer flavor with three replacements:
 the model class (vision injection by bank index, same modules and keys), the
 parallelize function (CP allowed for the multimodal flavor) and the pipelining
-function (the vision modules on the first stage for a user's split too).
+function (the vision modules on the first stage for a user's split too). The
+Trainer and Validator build the bank indices before CP shards the batch.
 """
 
 import dataclasses
@@ -11,19 +12,35 @@ import dataclasses
 from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
 from torchtitan.protocols.model_spec import ModelSpec
 
+from .data import RobustMMDataLoader
 from .model import MuseGlimmerModel, gather_vision_rows
 from .parallelize import parallelize_muse_glimmer
 from .pipeline import pipeline_muse_glimmer
+from .sharding import VISION_MODULE_FQNS
+from .trainer import (
+    MuseGlimmerTrainer,
+    MuseGlimmerValidator,
+    VisionGeometry,
+    blank_image,
+    post_process_with_vision_bank_indices,
+)
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
 __all__ = [
+    "VISION_MODULE_FQNS",
     "MuseGlimmerModel",
+    "MuseGlimmerTrainer",
+    "MuseGlimmerValidator",
+    "RobustMMDataLoader",
+    "VisionGeometry",
+    "blank_image",
     "build_vision_bank_indices",
     "check_vision_placeholders",
     "gather_vision_rows",
     "model_registry",
     "parallelize_muse_glimmer",
     "pipeline_muse_glimmer",
+    "post_process_with_vision_bank_indices",
 ]
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from torchtitan.models.muse_glimmer import config_registry as upstream
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.embedded_data import ensure_embedded_assets
+from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
 from . import model_registry
 from .data import RobustMMDataLoader
@@ -42,15 +42,20 @@ def _as(config_cls: type, config):
     )
 
 
+def _embedded_data_paths() -> tuple[str, str]:
+    """Tokenizer and dataset folders of the generated data, made on first use."""
+    # The jobs' one link to the tooling: nothing can be downloaded where they run.
+    assets = ensure_embedded_assets()
+    return str(assets.tokenizer_dir), str(assets.dataset_dir)
+
+
 def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
     """An upstream job, run by the plug-in's Trainer and model on embedded data."""
-    assets = ensure_embedded_assets()
     job = _as(MuseGlimmerTrainer.Config, config)
     job.validator = _as(MuseGlimmerValidator.Config, config.validator)
     job.dataloader = _as(RobustMMDataLoader.Config, config.dataloader)
     job.model_spec = model_registry(flavor, attn_backend="flex")
-    job.hf_assets_path = str(assets.tokenizer_dir)
-    job.dataloader.dataset_path = str(assets.dataset_dir)
+    job.hf_assets_path, job.dataloader.dataset_path = _embedded_data_paths()
     return job
 
 

@@ -4,32 +4,19 @@ from dataclasses import dataclass
 
 import spmd_types as spmd
 import torch
-from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
 
 from .config_checks import check_context_parallel, check_tensor_parallel_heads
-
-__all__ = ["VISION_MODULE_FQNS", "MuseGlimmerModel", "gather_vision_rows"]
-
-VISION_MODULE_FQNS = (
-    "vision_encoder",
-    "vision_adapter",
-    "vision_projection",
-    "perception_emb_norm",
+from .sharding import (
+    BANK_TYPE,
+    TOKEN_TYPE,
+    VISION_INPUT_TYPE,
+    set_cp_vision_sharding_config,
 )
-"""The multimodal embedding modules (data-flow order): they feed ``tok_embeddings``."""
 
-DP = MeshAxisName.DP
-CP = MeshAxisName.CP
-TP = MeshAxisName.TP
-
-# Inside ``multimodal_context`` dp is a local axis: each DP rank encodes its own
-# images (V), every CP rank of a DP group encodes the same ones (R).
-_VISION_INPUT_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.I}
-_BANK_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.R}
-_TOKEN_TYPE = {DP: spmd.V, CP: spmd.S(1), TP: spmd.R}
+__all__ = ["MuseGlimmerModel", "gather_vision_rows"]
 
 
 @spmd.register_local_autograd_function
@@ -97,7 +84,7 @@ def _gather_vision_rows_local(
 
 
 _gather_vision_rows_typed = spmd.local_map(
-    in_types=(_TOKEN_TYPE, _BANK_TYPE, _TOKEN_TYPE), out_types=_TOKEN_TYPE
+    in_types=(TOKEN_TYPE, BANK_TYPE, TOKEN_TYPE), out_types=TOKEN_TYPE
 )(_gather_vision_rows_local)
 
 
@@ -136,11 +123,8 @@ class MuseGlimmerModel(_UpstreamModel):
                     self, config.parallelism.tensor_parallel_degree
                 )
             _UpstreamModel.Config.update_from_config(self, config=config, **kwargs)
-            if self.vision_encoder is None:
-                return
-            from .sharding import set_cp_vision_sharding_config
-
-            set_cp_vision_sharding_config(self)
+            if self.vision_encoder is not None:
+                set_cp_vision_sharding_config(self)
 
     def forward(
         self,
@@ -155,7 +139,7 @@ class MuseGlimmerModel(_UpstreamModel):
             with multimodal_context():
                 for name in ("pixel_values", "grid_thw"):
                     if kwargs.get(name) is not None:
-                        spmd.assert_type(kwargs[name], _VISION_INPUT_TYPE)
+                        spmd.assert_type(kwargs[name], VISION_INPUT_TYPE)
         # _inject_vision's signature is upstream's; the indices reach it from here.
         self._vision_bank_indices_BL = vision_bank_indices
         try:

@@ -17,7 +17,7 @@ from torchtitan.models.muse_glimmer.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-from .model import VISION_MODULE_FQNS
+from .sharding import VISION_MODULE_FQNS
 
 __all__ = ["pipeline_muse_glimmer", "vision_on_first_stage"]
 

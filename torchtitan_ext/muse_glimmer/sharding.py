@@ -1,4 +1,4 @@
-"""Sharding of muse_glimmer's vision path on the cp mesh axis.
+"""Sharding of muse_glimmer's vision path on the cp mesh axis, and its spmd types.
 
 Upstream's vision layouts name only dp and tp, so FSDP, which shards over
 (dp_shard, cp), finds plain tensors on the cp axis and refuses to wrap them.
@@ -10,16 +10,38 @@ over (dp_shard, cp) completes.
 
 import spmd_types as spmd
 from torchtitan.distributed.parallel_dims import MeshAxisName
+from torchtitan.models.common.vision_encoder import VisionAttention
 from torchtitan.protocols.module import Module
 from torchtitan.protocols.sharding import LocalMapConfig, ShardingConfig, SpmdLayout
 
-from .model import VISION_MODULE_FQNS
-
-__all__ = ["set_cp_vision_sharding_config"]
+__all__ = [
+    "BANK_TYPE",
+    "BATCH_TOKEN_TYPE",
+    "TOKEN_TYPE",
+    "VISION_INPUT_TYPE",
+    "VISION_MODULE_FQNS",
+    "set_cp_vision_sharding_config",
+]
 
 DP = MeshAxisName.DP
 CP = MeshAxisName.CP
 TP = MeshAxisName.TP
+
+VISION_MODULE_FQNS = (
+    "vision_encoder",
+    "vision_adapter",
+    "vision_projection",
+    "perception_emb_norm",
+)
+"""The multimodal embedding modules (data-flow order): they feed ``tok_embeddings``."""
+
+# The Trainer's batch: split over dp, CP-sharded along the sequence.
+BATCH_TOKEN_TYPE = {DP: spmd.S(0), CP: spmd.S(1), TP: spmd.R}
+# Inside ``multimodal_context`` dp is a local axis: each DP rank encodes its own
+# images (V), every CP rank of a DP group encodes the same ones (R).
+VISION_INPUT_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.I}
+BANK_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.R}
+TOKEN_TYPE = {DP: spmd.V, CP: spmd.S(1), TP: spmd.R}
 
 
 def _on_cp(layout: SpmdLayout | None, cp_type) -> SpmdLayout | None:
@@ -87,8 +109,6 @@ def _vision_inner_attention_sharding(decoder_style: ShardingConfig) -> ShardingC
 
 def set_cp_vision_sharding_config(model_config) -> None:
     """Declare the vision modules replicated on cp (a no-op axis when cp == 1)."""
-    from torchtitan.models.common.vision_encoder import VisionAttention
-
     for name in VISION_MODULE_FQNS:
         module_config = getattr(model_config, name, None)
         if module_config is None:

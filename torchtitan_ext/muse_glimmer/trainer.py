@@ -9,34 +9,43 @@ import spmd_types as spmd
 import torch
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.parallel_dims import MeshAxisName
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 from torchtitan.trainer import Trainer
 
 from .config_checks import check_job_config
+from .sharding import BATCH_TOKEN_TYPE
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
-__all__ = ["MuseGlimmerTrainer", "MuseGlimmerValidator", "blank_image"]
+__all__ = [
+    "MuseGlimmerTrainer",
+    "MuseGlimmerValidator",
+    "VisionGeometry",
+    "blank_image",
+    "post_process_with_vision_bank_indices",
+]
 
 _Batch = tuple[dict[str, Any], torch.Tensor]
 _ModelInputs = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class _VisionGeometry:
+class VisionGeometry:
+    """What the preprocessing needs of the vision encoder: merge size, patch width."""
+
     spatial_merge_size: int
     patch_dim: int
 
-
-def _vision_geometry(model_config) -> _VisionGeometry | None:
-    encoder = getattr(model_config, "vision_encoder", None)
-    if encoder is None:
-        return None
-    return _VisionGeometry(encoder.downsample_factor, encoder.conv1.in_features)
+    @classmethod
+    def of(cls, model_config) -> "VisionGeometry | None":
+        """The geometry of a model config's vision encoder; None for text-only."""
+        encoder = getattr(model_config, "vision_encoder", None)
+        if encoder is None:
+            return None
+        return cls(encoder.downsample_factor, encoder.conv1.in_features)
 
 
 def blank_image(
-    geometry: _VisionGeometry, device: torch.device
+    geometry: VisionGeometry, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """One all-zero image of the smallest grid, for a batch without images.
 
@@ -58,11 +67,11 @@ def blank_image(
     }
 
 
-def _post_process_with_bank_indices(
+def post_process_with_vision_bank_indices(
     post_process: Callable[[dict[str, Any], torch.Tensor], _ModelInputs],
     input_dict: dict[str, Any],
     labels: torch.Tensor,
-    geometry: _VisionGeometry | None,
+    geometry: VisionGeometry | None,
 ) -> _ModelInputs:
     """Run upstream's post-processing with ``vision_bank_indices`` built and sharded.
 
@@ -104,13 +113,13 @@ class MuseGlimmerValidator(Validator):
         pass
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
-        return _post_process_with_bank_indices(
+        return post_process_with_vision_bank_indices(
             lambda inputs, labels: super(
                 MuseGlimmerValidator, self
             ).post_dataloading_process(inputs, labels, model_parts),
             input_dict,
             labels,
-            _vision_geometry(getattr(model_parts[0], "config", None)),
+            VisionGeometry.of(getattr(model_parts[0], "config", None)),
         )
 
 
@@ -136,7 +145,7 @@ class MuseGlimmerTrainer(Trainer):
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""
-        geometry = _vision_geometry(self.model_config)
+        geometry = VisionGeometry.of(self.model_config)
         for input_dict, labels in super().batch_generator(data_iterable):
             if geometry is not None and "special_tokens" in input_dict:
                 check_vision_placeholders(
@@ -150,24 +159,19 @@ class MuseGlimmerTrainer(Trainer):
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: torch.Tensor
     ) -> _ModelInputs:
-        inputs, labels, extra_kwargs = _post_process_with_bank_indices(
+        inputs, labels, extra_kwargs = post_process_with_vision_bank_indices(
             super().post_dataloading_process,
             input_dict,
             labels,
-            _vision_geometry(self.model_config),
+            VisionGeometry.of(self.model_config),
         )
         vision_bank_indices_BL = extra_kwargs.get("vision_bank_indices")
         if (
             self.config.parallelism.spmd_backend == "spmd_types"
             and vision_bank_indices_BL is not None
         ):
-            # Same types as upstream gives the tokens: S(0) dp, S(1) cp, R tp.
-            token_type = {
-                MeshAxisName.DP: spmd.S(0),
-                MeshAxisName.CP: spmd.S(1),
-                MeshAxisName.TP: spmd.R,
-            }
+            # Unstacked, both channels are new tensors: give them the tokens' types.
             with set_current_spmd_mesh(self.parallel_dims.spmd_dense_mesh()):
-                spmd.assert_type(inputs, token_type)
-                spmd.assert_type(vision_bank_indices_BL, token_type)
+                spmd.assert_type(inputs, BATCH_TOKEN_TYPE)
+                spmd.assert_type(vision_bank_indices_BL, BATCH_TOKEN_TYPE)
         return inputs, labels, extra_kwargs

@@ -9,10 +9,9 @@ the 1-rank baseline sees the same rows in the same step.
 import dataclasses
 import itertools
 
-from torchtitan_ext.embedded_data import ensure_embedded_assets
-from torchtitan_ext.parity import RunSpec, compare
+from torchtitan_ext.tools.parity import RunSpec, compare
 
-from .parity_suites import (
+from ..parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     STEPS,
@@ -58,15 +57,15 @@ def test_tp2_pp2_sp_vs_tp2_cp2_pp2_sp(tmp_path):
     assert_passed(results)
 
 
-_NO_IMAGE = ensure_embedded_assets(variant="some_without_image")
-# Packed rows of 256 tokens: short enough that text-only runs fill whole rows.
-NO_IMAGE_DATA = (
-    f"--dataloader.dataset {_NO_IMAGE.dataset} "
-    f"--dataloader.dataset_path {_NO_IMAGE.dataset_dir} --training.seq_len 256"
-)
+def _no_image_data(assets) -> str:
+    """Packed rows of 256 tokens: short enough that text-only runs fill whole rows."""
+    return (
+        f"--dataloader.dataset {assets.dataset} "
+        f"--dataloader.dataset_path {assets.dataset_dir} --training.seq_len 256"
+    )
 
 
-def _images_per_row(dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
+def _images_per_row(assets, dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
     """Images in each packed row one DP rank trains on, in order (microbatch 1)."""
     from torchtitan.components.tokenizer import MultiModalTokenizer
     from torchtitan.models.muse_glimmer.config_registry import (
@@ -78,12 +77,12 @@ def _images_per_row(dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
     )
 
     tokenizer = MultiModalTokenizer.Config(**MUSE_GLIMMER_SPECIAL_TOKENS).build(
-        tokenizer_path=str(_NO_IMAGE.tokenizer_dir)
+        tokenizer_path=str(assets.tokenizer_dir)
     )
     config = dataclasses.replace(
         muse_glimmer_debugmodel_mm_packed().dataloader,
-        dataset=_NO_IMAGE.dataset,
-        dataset_path=str(_NO_IMAGE.dataset_dir),
+        dataset=assets.dataset,
+        dataset_path=str(assets.dataset_dir),
     )
     loader = config.build(
         dp_world_size=dp_world_size,
@@ -99,31 +98,32 @@ def _images_per_row(dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
     return counts
 
 
-def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path):
+def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path, no_image_assets):
     """Rows, steps and DP ranks without images: no hang, same numbers.
 
     CP2xPP2 and TP2+CP2+SP (typechecked) are compared with 1 rank; FSDP2xPP2
     with FSDP2: two DP ranks read different shards, which no 1-rank run
     reproduces.
     """
-    one_rank = _images_per_row(1, 0, 2 * STEPS)
+    one_rank = _images_per_row(no_image_assets, 1, 0, 2 * STEPS)
     per_step = [one_rank[i] + one_rank[i + 1] for i in range(0, 2 * STEPS, 2)]
     assert 0 in one_rank and max(one_rank) > 0, one_rank
     assert 0 in per_step, f"no step without images in {one_rank}"
-    dp_ranks = [_images_per_row(2, rank, 2 * STEPS) for rank in (0, 1)]
+    dp_ranks = [_images_per_row(no_image_assets, 2, rank, 2 * STEPS) for rank in (0, 1)]
     assert any((a == 0) != (b == 0) for a, b in zip(*dp_ranks, strict=True)), dp_ranks
+    no_image_data = _no_image_data(no_image_assets)
 
     results = run_suite(
         tmp_path,
         "without_images",
-        toml_spec("packed.toml", 1, NO_IMAGE_DATA),
+        toml_spec("packed.toml", 1, no_image_data),
         {
-            "cp2_pp2": toml_spec("cp2_pp2.toml", 4, NO_IMAGE_DATA),
+            "cp2_pp2": toml_spec("cp2_pp2.toml", 4, no_image_data),
             # The blank image under spmd typechecking with TP > 1.
             "tp2_cp2_sp_typechecked": RunSpec(
                 module="torchtitan_ext.muse_glimmer",
                 config="muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
-                options=NO_IMAGE_DATA,
+                options=no_image_data,
                 ngpu=4,
             ),
         },
@@ -131,7 +131,7 @@ def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path):
     results |= run_suite(
         tmp_path,
         "without_images_fsdp2",
-        toml_spec("fsdp2.toml", 2, NO_IMAGE_DATA),
-        {"fsdp2_pp2": toml_spec("fsdp2_pp2.toml", 4, NO_IMAGE_DATA)},
+        toml_spec("fsdp2.toml", 2, no_image_data),
+        {"fsdp2_pp2": toml_spec("fsdp2_pp2.toml", 4, no_image_data)},
     )
     assert_passed(results)

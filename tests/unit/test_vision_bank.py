@@ -5,12 +5,12 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.vision_injection import UpstreamInjection
 from torchtitan_ext.muse_glimmer import (
     build_vision_bank_indices,
     check_vision_placeholders,
     gather_vision_rows,
 )
+from torchtitan_ext.tools.upstream_injection import UpstreamInjection
 
 IMAGE = 9
 MERGE = 2  # spatial merge: an image of grid (1, h, w) has h * w / 4 bank rows

@@ -1,6 +1,6 @@
 """Bank indices through upstream's real CP sharding, on 2 and 4 gloo ranks.
 
-Every rank runs the plug-in's ``_post_process_with_bank_indices`` around a
+Every rank runs the plug-in's ``post_process_with_vision_bank_indices`` around a
 post-process that calls torchtitan's ``prepare_context_parallel_input`` with
 muse_glimmer's own (document-aware) attention masks, for each load balancer.
 The labels are the global flat index of each token, and upstream shards them
@@ -87,13 +87,11 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
     from torchtitan_ext.muse_glimmer import (
+        VisionGeometry,
         build_vision_bank_indices,
         gather_vision_rows,
         model_registry,
-    )
-    from torchtitan_ext.muse_glimmer.trainer import (
-        _post_process_with_bank_indices,
-        _VisionGeometry,
+        post_process_with_vision_bank_indices,
     )
 
     rank = dist.get_rank()
@@ -139,11 +137,11 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
             "special_tokens": {"image_id": IMAGE},
         }
         labels = torch.arange(B * L).view(B, L)  # each token's global flat index
-        local_tokens, local_labels, extra = _post_process_with_bank_indices(
+        local_tokens, local_labels, extra = post_process_with_vision_bank_indices(
             post_process,
             input_dict,
             labels,
-            _VisionGeometry(spatial_merge_size=MERGE, patch_dim=PATCH_DIM),
+            VisionGeometry(spatial_merge_size=MERGE, patch_dim=PATCH_DIM),
         )
         local_bank = extra["vision_bank_indices"]
         where = f"rank {rank}, cp={cp}, balancer={balancer}"

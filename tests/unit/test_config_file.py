@@ -12,7 +12,7 @@ from torchtitan_ext.config_file import ConfigFileError, merge_args
 
 MODULE, CONFIG = "muse_glimmer", "muse_glimmer_debugmodel_mm"
 JOB = f'[job]\nmodule = "{MODULE}"\nconfig = "{CONFIG}"\n'
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.toml") -> str:

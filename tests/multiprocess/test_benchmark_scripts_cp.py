@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .training_runs import REPO
+from ..training_runs import REPO
 
 _TINY = ("--seq-len", "256", "--local-batch-size", "1", "--warmup", "0")
 

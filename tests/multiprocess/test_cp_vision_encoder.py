@@ -94,7 +94,7 @@ def _encode_with_layout(layout: str, state_dict, pixel_values, grid_thw) -> dict
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common.multimodal import multimodal_context
 
-    from torchtitan_ext.muse_glimmer.model import _VISION_INPUT_TYPE
+    from torchtitan_ext.muse_glimmer.sharding import VISION_INPUT_TYPE
 
     job, encoder_config = _encoder_config(layout)
     dist_utils.set_spmd_backend(job.parallelism.spmd_backend)
@@ -116,7 +116,7 @@ def _encode_with_layout(layout: str, state_dict, pixel_values, grid_thw) -> dict
         try:
             with context(), multimodal_context(), torch.no_grad():
                 for tensor in (pixel_values, grid_thw):
-                    spmd.assert_type(tensor, _VISION_INPUT_TYPE)
+                    spmd.assert_type(tensor, VISION_INPUT_TYPE)
                 output = encoder(pixel_values, grid_thw=grid_thw)
         except Exception:  # the negative control may fail here
             results[typechecking] = traceback.format_exc()

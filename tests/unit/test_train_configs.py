@@ -8,7 +8,7 @@ from torchtitan.config import ConfigManager
 from torchtitan_ext.config_file import merge_args
 from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
 
-TRAIN_CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
+TRAIN_CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 
 # file -> (ranks, packed, cp, tp, dp_shard, pp)
 EXPECTED = {

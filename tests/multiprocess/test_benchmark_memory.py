@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from .training_runs import REPO
+from ..training_runs import REPO
 
 
 def test_memory_per_rank_benchmark_runs(tmp_path):

@@ -3,7 +3,7 @@
 Trains the packed multimodal job from one seed checkpoint twice, on 1 rank
 (``packed.toml``) and under CP2 (``cp2.toml``: ptrr balancer on the global
 mask), both in fp32 with ``--debug.deterministic``, then runs
-``torchtitan_ext.vision_probe`` on both final model-only checkpoints. Each must
+``torchtitan_ext.tools.vision_probe`` on both final model-only checkpoints. Each must
 predict caption tokens clearly better with its own images than with images
 shuffled across samples, on the training set and on freshly drawn images,
 and CP2 must land where 1 rank does.
@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from torchtitan_ext.muse_glimmer import check_vision_placeholders
-from torchtitan_ext.vision_probe import (
+from torchtitan_ext.tools.vision_probe import (
     build_probe_dataloader,
     build_probe_job,
     format_result,
@@ -50,7 +50,7 @@ from torchtitan_ext.vision_probe import (
     take_batches,
 )
 
-from .training_runs import checkpoint_path, run_train
+from ..training_runs import checkpoint_path, run_train
 
 STEPS = int(os.environ.get("TORCHTITAN_EXT_VISION_PROBE_STEPS", "150"))
 TIMEOUT_S = 1200  # per training run; about 4 min on 2 idle cores

@@ -14,21 +14,21 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from torchtitan_ext.parity import (
+from torchtitan_ext.tools.parity import (
     GRAD_NORM_TAG,
     LOSS_TAG,
     ParityCase,
     ParityError,
     RunScalars,
     RunSpec,
-    build_parser,
     compare,
     format_table,
-    main,
     read_tb_scalars,
     run_parity,
     run_parity_suite,
+    suite,
 )
+from torchtitan_ext.tools.parity.__main__ import build_parser, main, specs_from_args
 
 
 def _f32(x: float) -> float:
@@ -123,8 +123,22 @@ def test_no_common_steps_fail():
 def test_nan_on_one_side_fails():
     c = compare(_scalars([1.0, 2.0]), _scalars([1.0, math.nan]))
     assert not c.passed and c.max_dloss == math.inf
-    nan_both = compare(_scalars([math.nan]), _scalars([math.nan]), exact=True)
-    assert nan_both.passed
+    assert "step 2: test loss is nan" in c.failures
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_on_both_sides_fails(exact, bad):
+    """Two runs that diverged alike are not in parity, not even with --exact."""
+    same_loss = compare(_scalars([1.0, bad]), _scalars([1.0, bad]), exact=exact)
+    assert not same_loss.passed and same_loss.max_dloss == math.inf
+    assert f"step 2: baseline loss is {bad!r}" in same_loss.failures
+    assert f"step 2: test loss is {bad!r}" in same_loss.failures
+    same_grad = compare(
+        _scalars([1.0], [bad]), _scalars([1.0], [bad]), exact=exact, loss_tol=1.0
+    )
+    assert not same_grad.passed and same_grad.max_dgrad_norm == math.inf
+    assert f"step 1: test grad_norm is {bad!r}" in same_grad.failures
 
 
 def test_table_layout():
@@ -243,12 +257,10 @@ def _script(tmp_path: Path, text: str, name: str = "fake_train.sh") -> Path:
 
 def test_cli_exit_codes_with_fake_launcher(tmp_path, monkeypatch):
     fake = _script(tmp_path, FAKE_TRAIN)
-    import torchtitan_ext.parity as parity
-
-    monkeypatch.setattr(parity, "RUN_TRAIN", fake)
+    monkeypatch.setattr(suite, "RUN_TRAIN", fake)
     common = ["--steps", "3", "--quiet", "--test-ngpu", "2"]
     assert main([*common, "--output-dir", str(tmp_path / "a"), "--exact"]) == 0
-    summary = json.loads((tmp_path / "a" / "parity.json").read_text())
+    summary = json.loads((tmp_path / "a" / "test" / "parity.json").read_text())
     assert summary["passed"] and len(summary["per_step"]) == 3
     assert [r["name"] for r in summary["runs"]] == ["seed", "baseline", "test"]
     assert "NGPU=2" in summary["runs"][2]["command"]
@@ -260,10 +272,10 @@ def test_cli_exit_codes_with_fake_launcher(tmp_path, monkeypatch):
     assert main([*common, *offset, "--output-dir", out_b, "--loss-tol", "1e-2"]) == 0
     out_c = str(tmp_path / "c")
     assert main([*common, *offset, "--output-dir", out_c]) == 1
-    summary = json.loads((tmp_path / "c" / "parity.json").read_text())
+    summary = json.loads((tmp_path / "c" / "test" / "parity.json").read_text())
     assert not summary["passed"] and "loss_tol" in summary["failures"][0]
     assert summary["max_dloss"] == pytest.approx(1e-3, rel=1e-3)
-    assert (tmp_path / "c" / "parity.png").stat().st_size > 0
+    assert (tmp_path / "c" / "test" / "parity.png").stat().st_size > 0
     # An output dir that holds files is refused: stale runs would be compared.
     with pytest.raises(SystemExit) as info:
         main([*common, "--output-dir", out_c])
@@ -274,9 +286,7 @@ def test_cli_specs():
     args = build_parser().parse_args(
         ["--baseline-config", "cfg_a", "--baseline-options", "--x 1"]
     )
-    from torchtitan_ext.parity import _specs
-
-    baseline, test = _specs(args)
+    baseline, test = specs_from_args(args)
     assert (baseline.config, baseline.options) == ("cfg_a", "--x 1")
     assert (test.module, test.config, test.options) == (baseline.module, "cfg_a", "")
     assert test.job_env() == {

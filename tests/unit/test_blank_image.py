@@ -5,10 +5,10 @@ import torch
 from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
 from torchtitan.models.muse_glimmer import model_registry as upstream_model_registry
 
-from torchtitan_ext.muse_glimmer import model_registry
-from torchtitan_ext.muse_glimmer.trainer import (
-    _post_process_with_bank_indices,
-    _vision_geometry,
+from torchtitan_ext.muse_glimmer import (
+    VisionGeometry,
+    model_registry,
+    post_process_with_vision_bank_indices,
 )
 
 IMAGE_ID = 4
@@ -57,8 +57,8 @@ def test_text_only_batch_gives_zero_vision_gradients_and_upstream_output():
             {k: v for k, v in inputs.items() if k != "input"},
         )
 
-    tokens, _, kwargs = _post_process_with_bank_indices(
-        post_process, input_dict, tokens_BL, _vision_geometry(plugin.config)
+    tokens, _, kwargs = post_process_with_vision_bank_indices(
+        post_process, input_dict, tokens_BL, VisionGeometry.of(plugin.config)
     )
     assert torch.equal(tokens, tokens_BL)
     assert (kwargs["vision_bank_indices"] == -1).all()

@@ -452,7 +452,7 @@ def default_root(variant: str = "default") -> Path:
     """``$TORCHTITAN_EXT_ASSETS`` or ``<repo>/assets/embedded``; other variants
     live in a sibling ``<root>-<variant>``."""
     env = os.environ.get(ASSETS_ENV_VAR)
-    base = Path(env) if env else Path(__file__).resolve().parent.parent / "assets"
+    base = Path(env) if env else Path(__file__).resolve().parents[2] / "assets"
     root = base if env else base / "embedded"
     return root if variant == "default" else root.with_name(f"{root.name}-{variant}")
 
@@ -525,7 +525,7 @@ def ensure_embedded_assets(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_ext.embedded_data",
+        prog="python -m torchtitan_ext.tools.embedded_data",
         description=__doc__.split("\n")[0],
     )
     parser.add_argument("--root", type=Path, default=None, help="output directory")

@@ -1,9 +1,9 @@
 """Does a trained muse_glimmer read its images? Caption loss, true vs shuffled images.
 
-``python -m torchtitan_ext.vision_probe --checkpoint DIR [--batches N]``
+``python -m torchtitan_ext.tools.vision_probe --checkpoint DIR [--batches N]``
 
 The embedded captions are a function of the image (count, background, colour,
-shape and quadrant of every object; see ``torchtitan_ext.embedded_data``), so a
+shape and quadrant of every object; see ``torchtitan_ext.tools.embedded_data``), so a
 model that learned the vision path predicts caption tokens much better with
 the sample's own image than with another sample's. The probe loads a model-only
 DCP checkpoint (``--checkpoint.last_save_model_only``, i.e.
@@ -270,7 +270,10 @@ def _dataset(batches: int, batch_size: int, heldout_seed: int | None):
     if heldout_seed is None:
         yield None, "embedded"
         return
-    from torchtitan_ext.embedded_data import EmbeddedDataConfig, ensure_embedded_assets
+    from torchtitan_ext.tools.embedded_data import (
+        EmbeddedDataConfig,
+        ensure_embedded_assets,
+    )
 
     config = EmbeddedDataConfig(
         seed=heldout_seed, num_samples=batches * batch_size, num_shards=1
@@ -342,7 +345,7 @@ def format_result(result: ProbeResult) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_ext.vision_probe",
+        prog="python -m torchtitan_ext.tools.vision_probe",
         description="Caption-token loss of a muse_glimmer checkpoint with true "
         "vs shuffled images (CPU, one process).",
     )

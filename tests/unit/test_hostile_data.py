@@ -28,8 +28,14 @@ from torchtitan.models.muse_glimmer.config_registry import (
     _muse_glimmer_mm_dataloader,
 )
 
-from tests.training_runs import run_train
-from torchtitan_ext.embedded_data import (
+from torchtitan_ext.muse_glimmer import (
+    VisionGeometry,
+    check_vision_placeholders,
+    model_registry,
+    post_process_with_vision_bank_indices,
+)
+from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
+from torchtitan_ext.tools.embedded_data import (
     HOSTILE_SAMPLES,
     HOSTILE_SEQ_LEN,
     EmbeddedDataConfig,
@@ -37,12 +43,6 @@ from torchtitan_ext.embedded_data import (
     hostile_kind,
     render_image,
     sample_spec,
-)
-from torchtitan_ext.muse_glimmer import check_vision_placeholders, model_registry
-from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
-from torchtitan_ext.muse_glimmer.trainer import (
-    _post_process_with_bank_indices,
-    _vision_geometry,
 )
 
 # torchtitan decodes with torchvision.io, which warns once per image.
@@ -323,7 +323,7 @@ def test_placeholders_cut_by_the_collator_train_like_the_whole_sample(
             if tensor.is_floating_point():
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.05)
     upstream.load_state_dict(plugin.state_dict(), strict=True)
-    geometry = _vision_geometry(plugin.config)
+    geometry = VisionGeometry.of(plugin.config)
 
     def logits(model, inputs):
         check_vision_placeholders(
@@ -332,7 +332,7 @@ def test_placeholders_cut_by_the_collator_train_like_the_whole_sample(
             image_id=tokenizer.image_id,
             spatial_merge_size=geometry.spatial_merge_size,
         )
-        tokens, _, kwargs = _post_process_with_bank_indices(
+        tokens, _, kwargs = post_process_with_vision_bank_indices(
             lambda i, labels: (
                 i["input"],
                 labels,
@@ -355,35 +355,3 @@ def test_placeholders_cut_by_the_collator_train_like_the_whole_sample(
     masks = upstream.get_attention_masks(positions=cut_inputs["positions"])
     with pytest.raises(ValueError, match="vision_mask selects 2 positions"):
         upstream(cut_inputs["input"], **up_kwargs, attention_masks=masks)
-
-
-def test_cp2_run_on_hostile_data(tmp_path):
-    """Two CP ranks skip the same samples by name and train two steps."""
-    assets = ensure_embedded_assets(variant="hostile")
-    run_train(
-        tmp_path,
-        "hostile_cp2",
-        2,
-        "cp2.toml",
-        [
-            "--dataloader.dataset=obelics",
-            f"--dataloader.dataset_path={assets.dataset_dir}",
-            "--dataloader.packing_buffer_size=0",
-            f"--training.seq_len={HOSTILE_SEQ_LEN}",
-            "--training.local_batch_size=2",
-            "--training.steps=2",
-        ],
-        timeout_s=300,
-        env={"LOG_RANK": "0,1"},
-    )
-    log = (tmp_path / "hostile_cp2.log").read_text().splitlines()
-    kinds = ("corrupt_jpeg", "sliver_image", "cut_by_seq_len")
-    for rank in (0, 1):
-        lines = [line for line in log if line.startswith(f"[rank{rank}]:")]
-        skips = [m.groups() for line in lines if (m := SKIP.search(line))]
-        assert [(name, int(count)) for name, _, count in skips] == [
-            (f"#{position} of dp rank 0's share", position) for position in (1, 2, 3)
-        ], rank
-        for (_, reason, _), kind in zip(skips, kinds, strict=True):
-            assert SKIP_REASONS[kind] in reason, (rank, kind)
-        assert any(re.search(r"step:\s+2\b", line) for line in lines), rank

@@ -7,9 +7,9 @@ import tarfile
 import time
 from pathlib import Path
 
-from torchtitan_ext.embedded_data import ensure_embedded_assets
+from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 

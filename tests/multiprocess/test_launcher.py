@@ -4,9 +4,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from torchtitan_ext.parity import read_tb_scalars
+from torchtitan_ext.tools.parity import read_tb_scalars
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXED_OPTIONS = "--debug.deterministic --debug.seed=42"
 SMALL = "--training.seq_len 256 --training.local_batch_size 2"
 

@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.parity import RunSpec, read_tb_scalars
+from torchtitan_ext.tools.parity import RunSpec, read_tb_scalars
 
-from .parity_suites import (
+from ..parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     STEPS,
     TIMEOUT_S,
     UNPACKED,
-    UPSTREAM,
     assert_passed,
     output_dir,
     run_suite,
     toml_spec,
+    upstream_data_options,
     upstream_spec,
 )
-from .training_runs import REPO, checkpoint_path, checkpoint_tensors, run_train
+from ..training_runs import REPO, checkpoint_path, checkpoint_tensors, run_train
 
 # fp32 gradients of one step, relative to the largest entry of the tensor.
 GRAD_REL_TOL = 1e-4
@@ -166,14 +166,14 @@ def test_tp2_sp_vs_tp2_cp2_sp(tmp_path):
         ("tp2_sp_unpacked.toml", "--parallelism.tensor_parallel_degree 2"),
     ],
 )
-def test_plugin_is_bitwise_upstream(tmp_path, toml, degree):
+def test_plugin_is_bitwise_upstream(tmp_path, embedded_assets, toml, degree):
     """The plug-in's non-CP job is torchtitan's own, bit for bit, on 2 ranks."""
     _assert_suite(
         tmp_path,
         toml.removesuffix(".toml"),
-        upstream_spec(2, f"{UNPACKED} {degree}"),
+        upstream_spec(embedded_assets, 2, f"{UNPACKED} {degree}"),
         {"plugin": toml_spec(toml, 2, UNPACKED)},
-        seed_options=UPSTREAM.options,
+        seed_options=upstream_data_options(embedded_assets),
         exact=True,
     )
 

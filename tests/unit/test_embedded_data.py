@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from torchtitan_ext.embedded_data import (
+from torchtitan_ext.tools.embedded_data import (
     ASSETS_ENV_VAR,
     BACKGROUNDS,
     COLOURS,
@@ -148,7 +148,7 @@ def test_foreign_and_stale_directories(tmp_path: Path) -> None:
 
 def test_default_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(ASSETS_ENV_VAR, raising=False)
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     assert default_root() == repo / "assets" / "embedded"
     monkeypatch.setenv(ASSETS_ENV_VAR, str(tmp_path / "mine"))
     assert default_root() == tmp_path / "mine"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.parity import (
+from torchtitan_ext.tools.parity import (
     RUN_TRAIN,
     RunRecord,
     RunScalars,
@@ -28,7 +28,7 @@ from torchtitan_ext.parity import (
     read_tb_scalars,
 )
 
-from .parity_suites import (
+from ..parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     PACKED,
@@ -37,7 +37,7 @@ from .parity_suites import (
     toml_spec,
     upstream_spec,
 )
-from .training_runs import checkpoint_path, checkpoint_tensors, run_job
+from ..training_runs import checkpoint_path, checkpoint_tensors, run_job
 
 SAVE_STEP = STEPS // 2
 RESUMED_STEPS = list(range(SAVE_STEP + 1, STEPS + 1))
@@ -51,7 +51,6 @@ JOBS = {
     "fsdp2": toml_spec("fsdp2.toml", 2),
     "fsdp2_cp2": toml_spec("fsdp2_cp2.toml", 4),
     "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),
-    "upstream": upstream_spec(1, PACKED),
 }
 _TRAIN_ARGS = [
     "--training.mixed_precision_param=float32",
@@ -80,8 +79,9 @@ def _load_args(path: Path, *, model_only: bool) -> list[str]:
 class _Runs:
     """The runs of this module, each trained once, on first use."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, assets) -> None:
         self.out = out
+        self.jobs = {**JOBS, "upstream": upstream_spec(assets, 1, PACKED)}
         self._dumps: dict[str, Path] = {}
 
     def dump(self, name: str, make: Callable[[], Path]) -> Path:
@@ -96,7 +96,7 @@ class _Runs:
             dump = run_job(
                 self.out,
                 "seed",
-                JOBS["1rank"],
+                self.jobs["1rank"],
                 [*args, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
                 timeout_s=TIMEOUT_S,
             )
@@ -110,7 +110,11 @@ class _Runs:
         return self.dump(
             name,
             lambda: run_job(
-                self.out, name, JOBS[job], [*_TRAIN_ARGS, *load], timeout_s=TIMEOUT_S
+                self.out,
+                name,
+                self.jobs[job],
+                [*_TRAIN_ARGS, *load],
+                timeout_s=TIMEOUT_S,
             ),
         )
 
@@ -125,11 +129,11 @@ class _Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> _Runs:
+def runs(tmp_path_factory, embedded_assets) -> _Runs:
     keep = os.environ.get("TORCHTITAN_EXT_PARITY_OUT")
     out = Path(keep) / "resume" if keep else tmp_path_factory.mktemp("resume")
     out.mkdir(parents=True, exist_ok=True)
-    return _Runs(out)
+    return _Runs(out, embedded_assets)
 
 
 def _scalars(dump: Path) -> RunScalars:

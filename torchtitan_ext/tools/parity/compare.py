@@ -1,0 +1,187 @@
+"""Step-by-step comparison of two runs' loss and gradient norm."""
+
+import math
+from dataclasses import dataclass
+
+from .scalars import RunScalars
+
+__all__ = [
+    "DEFAULT_GRAD_NORM_TOL",
+    "DEFAULT_LOSS_TOL",
+    "Comparison",
+    "StepRow",
+    "compare",
+    "format_table",
+]
+
+DEFAULT_LOSS_TOL = 1e-5
+DEFAULT_GRAD_NORM_TOL = 1e-4
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRow:
+    """One step of the comparison table."""
+
+    step: int
+    baseline_loss: float
+    test_loss: float
+    dloss: float
+    baseline_grad_norm: float
+    test_grad_norm: float
+    dgrad_norm: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Comparison:
+    """The verdict on two runs' scalars; ``failures`` says why it failed."""
+
+    rows: list[StepRow]
+    max_dloss: float | None
+    max_dgrad_norm: float | None
+    passed: bool
+    failures: list[str]
+
+
+def _diff(a: float, b: float) -> float:
+    """|a - b|; infinite when either is not finite, which nothing can match."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b)
+
+
+def _step_set_failures(
+    baseline: RunScalars, test: RunScalars, expected_steps: int | None
+) -> list[str]:
+    failures: list[str] = []
+    for metric in ("loss", "grad_norm"):
+        b_steps = set(getattr(baseline, metric))
+        t_steps = set(getattr(test, metric))
+        if b_steps != t_steps:
+            failures.append(
+                f"{metric} step sets differ: only in baseline "
+                f"{sorted(b_steps - t_steps)}, only in test {sorted(t_steps - b_steps)}"
+            )
+        if expected_steps is not None:
+            want = set(range(1, expected_steps + 1))
+            for side, got in (("baseline", b_steps), ("test", t_steps)):
+                if got != want:
+                    failures.append(
+                        f"{side} logged {metric} for steps {sorted(got)}, "
+                        f"expected 1..{expected_steps}"
+                    )
+    return failures
+
+
+def _non_finite_failures(rows: list[StepRow]) -> list[str]:
+    failures = []
+    for r in rows:
+        for name, value in (
+            ("baseline loss", r.baseline_loss),
+            ("test loss", r.test_loss),
+            ("baseline grad_norm", r.baseline_grad_norm),
+            ("test grad_norm", r.test_grad_norm),
+        ):
+            if not math.isfinite(value):
+                failures.append(f"step {r.step}: {name} is {value!r}")
+    return failures
+
+
+def compare(
+    baseline: RunScalars,
+    test: RunScalars,
+    *,
+    loss_tol: float = DEFAULT_LOSS_TOL,
+    grad_norm_tol: float = DEFAULT_GRAD_NORM_TOL,
+    exact: bool = False,
+    expected_steps: int | None = None,
+) -> Comparison:
+    """Compare two runs step by step.
+
+    With ``exact`` any difference fails; otherwise max |dloss| must not exceed
+    ``loss_tol`` nor max |dgrad_norm| ``grad_norm_tol``. A NaN or infinite
+    value on either side fails (a diverged run is never "equal", not even to
+    another diverged run), and so do different step sets, no steps at all, or
+    (with ``expected_steps``) steps other than ``1..expected_steps``: a parity
+    claim over missing steps is empty.
+    """
+    failures = _step_set_failures(baseline, test, expected_steps)
+    steps = sorted(
+        set(baseline.loss)
+        & set(test.loss)
+        & set(baseline.grad_norm)
+        & set(test.grad_norm)
+    )
+    rows = [
+        StepRow(
+            step=s,
+            baseline_loss=baseline.loss[s],
+            test_loss=test.loss[s],
+            dloss=_diff(baseline.loss[s], test.loss[s]),
+            baseline_grad_norm=baseline.grad_norm[s],
+            test_grad_norm=test.grad_norm[s],
+            dgrad_norm=_diff(baseline.grad_norm[s], test.grad_norm[s]),
+        )
+        for s in steps
+    ]
+    if not rows:
+        failures.append("no step was logged by both runs")
+        return Comparison(
+            rows=rows,
+            max_dloss=None,
+            max_dgrad_norm=None,
+            passed=False,
+            failures=failures,
+        )
+
+    failures.extend(_non_finite_failures(rows))
+    max_dloss = max(r.dloss for r in rows)
+    max_dgrad = max(r.dgrad_norm for r in rows)
+    if exact:
+        for r in rows:
+            if r.dloss != 0.0:
+                failures.append(
+                    f"step {r.step}: loss differs: baseline {r.baseline_loss!r}, "
+                    f"test {r.test_loss!r}"
+                )
+            if r.dgrad_norm != 0.0:
+                failures.append(
+                    f"step {r.step}: grad_norm differs: baseline "
+                    f"{r.baseline_grad_norm!r}, test {r.test_grad_norm!r}"
+                )
+    else:
+        if not max_dloss <= loss_tol:
+            failures.append(f"max |dloss| {max_dloss:.8e} > loss_tol {loss_tol:.3e}")
+        if not max_dgrad <= grad_norm_tol:
+            failures.append(
+                f"max |dgrad_norm| {max_dgrad:.8e} > grad_norm_tol {grad_norm_tol:.3e}"
+            )
+    return Comparison(
+        rows=rows,
+        max_dloss=max_dloss,
+        max_dgrad_norm=max_dgrad,
+        passed=not failures,
+        failures=failures,
+    )
+
+
+def format_table(comparison: Comparison) -> str:
+    """The per-step table and the maxima, with digits enough to see 1 ulp."""
+    header = (
+        f"{'step':>5}  {'baseline loss':>15}  {'test loss':>15}  {'|dloss|':>15}  "
+        f"{'baseline grad_norm':>18}  {'test grad_norm':>18}  {'|dgrad_norm|':>15}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in comparison.rows:
+        lines.append(
+            f"{r.step:>5}  {r.baseline_loss:>15.8e}  {r.test_loss:>15.8e}  "
+            f"{r.dloss:>15.8e}  {r.baseline_grad_norm:>18.10f}  "
+            f"{r.test_grad_norm:>18.10f}  {r.dgrad_norm:>15.8e}"
+        )
+    lines.append("-" * len(header))
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.8e}"
+
+    lines.append(f"max |dloss|      = {fmt(comparison.max_dloss)}")
+    lines.append(f"max |dgrad_norm| = {fmt(comparison.max_dgrad_norm)}")
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""Launching one ``run_train.sh`` command: what runs, where it logs, how it ends."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_MODULE",
+    "REPO_ROOT",
+    "RUN_TRAIN",
+    "RunRecord",
+    "RunSpec",
+    "launch_run",
+    "log_tail",
+]
+
+DEFAULT_MODULE = "torchtitan_ext.muse_glimmer"
+DEFAULT_CONFIG = "muse_glimmer_debugmodel_mm"
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RUN_TRAIN = REPO_ROOT / "run_train.sh"
+
+# run_train.sh reads these; a value inherited from the caller's shell would
+# silently change which job runs, or where.
+_LAUNCH_ENV = (
+    "CONFIG_FILE",
+    "MODULE",
+    "CONFIG",
+    "NGPU",
+    "NNODES",
+    "NODE_RANK",
+    "RDZV_ENDPOINT",
+)
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSpec:
+    """One side of a comparison: which job to train, with what, on how many ranks.
+
+    ``config_file`` (a TOML job, passed as ``CONFIG_FILE``) replaces
+    ``module``/``config`` when set. ``options`` are extra trainer flags, one
+    shell-quoted string as in ``loss_compare.py``.
+    """
+
+    module: str = DEFAULT_MODULE
+    config: str = DEFAULT_CONFIG
+    config_file: str | None = None
+    options: str = ""
+    ngpu: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ngpu < 1:
+            raise ValueError(f"ngpu must be at least 1, got {self.ngpu}")
+        if self.config_file:
+            # The runs may start elsewhere than the caller's working directory.
+            self.config_file = str(Path(self.config_file).resolve())
+            if not Path(self.config_file).is_file():
+                raise ValueError(f"config file not found: {self.config_file}")
+
+    def job_env(self, ngpu: int | None = None) -> dict[str, str]:
+        """The ``run_train.sh`` variables that select this job."""
+        env = {"NGPU": str(self.ngpu if ngpu is None else ngpu)}
+        if self.config_file:
+            env["CONFIG_FILE"] = self.config_file
+        else:
+            env["MODULE"] = self.module
+            env["CONFIG"] = self.config
+        return env
+
+    def option_args(self) -> list[str]:
+        return shlex.split(self.options)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """One launched training process: what ran, how it ended, where its log is."""
+
+    name: str
+    command: str
+    log_path: str
+    returncode: int | None = None
+    wall_s: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def failure(self) -> str:
+        """Why the run failed, in one line that names its log."""
+        if self.timed_out:
+            why = "timed out; its process group was killed"
+        else:
+            why = f"failed with exit code {self.returncode}"
+        return f"{self.name} run {why} (log: {self.log_path})"
+
+
+def _command_string(env: dict[str, str], argv: Sequence[str]) -> str:
+    """A copy-pasteable shell line, as loss_compare.py prints them."""
+    return " ".join(
+        [*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)]
+    )
+
+
+def _pump(src: IO[str], log: IO[str], echo: bool) -> None:
+    for line in src:
+        log.write(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Stop torchrun and all its ranks: they share the session we gave them."""
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch_run(
+    name: str,
+    job_env: dict[str, str],
+    argv: list[str],
+    log_path: Path,
+    *,
+    timeout: float | None,
+    echo: bool,
+) -> RunRecord:
+    """Run one ``run_train.sh`` command to completion, teeing it to ``log_path``.
+
+    torchrun and its ranks run in a session of their own, so a run past
+    ``timeout`` (a hang) is killed whole and reported as timed out.
+    """
+    command = _command_string(job_env, argv)
+    record = RunRecord(name=name, command=command, log_path=str(log_path))
+    print(f"[parity] {name}: {command}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env.update(job_env)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"# {command}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo))
+        pump.start()
+        try:
+            record.returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            record.timed_out = True
+            _kill_group(proc)
+            record.returncode = proc.poll()
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            pump.join(timeout=30)
+    record.wall_s = time.monotonic() - start
+    status = (
+        f"timed out after {timeout:g} s"
+        if record.timed_out
+        else f"exit code {record.returncode}"
+    )
+    print(f"[parity] {name}: {status}, {record.wall_s:.1f} s", flush=True)
+    return record
+
+
+def log_tail(path: str, n: int = _LOG_TAIL_LINES) -> str:
+    """The last ``n`` lines of a run's log, for a failure report."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+    return "\n".join(lines[-n:])

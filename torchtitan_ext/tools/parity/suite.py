@@ -1,0 +1,504 @@
+"""The engine: one seed checkpoint and one baseline run, compared with each test.
+
+A single comparison (``run_parity``) is a suite of one test named ``test``.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .compare import (
+    DEFAULT_GRAD_NORM_TOL,
+    DEFAULT_LOSS_TOL,
+    Comparison,
+    StepRow,
+    compare,
+    format_table,
+)
+from .launch import RUN_TRAIN, RunRecord, RunSpec, launch_run, log_tail
+from .report import jsonable, plot
+from .scalars import GRAD_NORM_TAG, LOSS_TAG, ParityError, RunScalars, read_tb_scalars
+
+__all__ = ["SEED", "ParityCase", "ParityResult", "run_parity", "run_parity_suite"]
+
+SEED = 42
+
+# The checkpoint folder of the seed run, relative to its dump folder; set
+# explicitly so the seed's location does not depend on the job's config.
+_SEED_CKPT_FOLDER = "checkpoint"
+# A seed checkpoint must be made on one rank, unsharded; a job file may set
+# parallelism degrees for its own world size, so they are reset for the seed.
+_SEED_PARALLELISM = (
+    "--parallelism.data_parallel_replicate_degree=1",
+    "--parallelism.data_parallel_shard_degree=-1",
+    "--parallelism.tensor_parallel_degree=1",
+    "--parallelism.pipeline_parallel_degree=1",
+    "--parallelism.context_parallel_degree=1",
+    "--parallelism.expert_parallel_degree=1",
+)
+# Run names a suite's tests may not take: their logs and dump folders are shared.
+_SHARED_RUN_NAMES = frozenset({"seed", "baseline"})
+# A test's name becomes a folder and a log file name in the output dir.
+_TEST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(slots=True)
+class ParityCase:
+    """One test of :func:`run_parity_suite`, with tolerances of its own.
+
+    A field left ``None`` takes the suite's value: ``ParityCase(spec,
+    exact=True)`` is compared bit for bit in a suite that otherwise uses
+    tolerances, ``ParityCase(spec, loss_tol=1e-3)`` within a looser bound
+    (in an ``exact`` suite, also pass ``exact=False``: the tolerances apply
+    only to a comparison that is not exact).
+    """
+
+    spec: RunSpec
+    _: dataclasses.KW_ONLY
+    exact: bool | None = None
+    loss_tol: float | None = None
+    grad_norm_tol: float | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class ParityResult:
+    """Everything a caller needs to judge, and to find, one comparison.
+
+    ``output_dir`` holds all runs of the suite; ``runs`` are the seed (if
+    any), the baseline and the test, as far as they got.
+    """
+
+    passed: bool
+    rows: list[StepRow]
+    max_dloss: float | None
+    max_dgrad_norm: float | None
+    failures: list[str]
+    runs: list[RunRecord]
+    output_dir: Path
+    json_path: Path
+    png_path: Path | None
+    baseline: RunScalars | None = None
+    test: RunScalars | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class _Tolerance:
+    exact: bool
+    loss_tol: float
+    grad_norm_tol: float
+
+    def describe(self) -> str:
+        if self.exact:
+            return "exact"
+        return f"loss_tol={self.loss_tol:g}, grad_norm_tol={self.grad_norm_tol:g}"
+
+
+@dataclass(kw_only=True, slots=True)
+class _Session:
+    """What every run of one suite shares: where it writes, how it launches."""
+
+    out: Path
+    steps: int
+    run_train: str
+    precision: list[str]
+    timeout: float | None
+    echo: bool
+    seed_options: str
+    seed_checkpoint: bool
+    keep_mixed_precision: bool
+    # Flags that make a run start from the seed checkpoint; set by _make_seed.
+    load_args: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Baseline:
+    """The seed and baseline runs, made once and compared against each test."""
+
+    spec: RunSpec
+    runs: list[RunRecord]
+    failures: list[str]
+    scalars: RunScalars | None
+    wall_s: float
+
+
+def _suite_cases(tests: Mapping[str, RunSpec | ParityCase]) -> dict[str, ParityCase]:
+    """The suite's tests as ParityCases, their names checked before any run."""
+    if not tests:
+        raise ValueError("a parity suite needs at least one test")
+    cases: dict[str, ParityCase] = {}
+    for name, value in tests.items():
+        if not isinstance(name, str) or not _TEST_NAME.fullmatch(name):
+            raise ValueError(
+                f"test name {name!r} must match {_TEST_NAME.pattern} "
+                "(it names a folder and a log file)"
+            )
+        if name in _SHARED_RUN_NAMES:
+            raise ValueError(f"test name {name!r} is taken by the shared runs")
+        if isinstance(value, RunSpec):
+            value = ParityCase(value)
+        elif not isinstance(value, ParityCase):
+            raise TypeError(
+                f"test {name!r}: expected a RunSpec or ParityCase, "
+                f"got {type(value).__name__}"
+            )
+        cases[name] = value
+    return cases
+
+
+def _start(
+    *,
+    output_dir: str | os.PathLike[str] | None,
+    steps: int,
+    launcher: str | os.PathLike[str] | None,
+    timeout: float | None,
+    echo: bool,
+    seed_options: str,
+    seed_checkpoint: bool,
+    keep_mixed_precision: bool,
+) -> _Session:
+    """Check the arguments and create the (new or empty) output dir."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if output_dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        output_dir = Path("outputs") / "parity" / stamp
+    out = Path(output_dir).resolve()
+    if out.exists() and any(out.iterdir()):
+        # Stale checkpoints would be resumed, stale TB runs compared.
+        raise ValueError(f"output dir {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    return _Session(
+        out=out,
+        steps=steps,
+        run_train=str(Path(launcher).resolve() if launcher else RUN_TRAIN),
+        precision=(
+            []
+            if keep_mixed_precision
+            else ["--training.mixed_precision_param", "float32"]
+        ),
+        timeout=timeout,
+        echo=echo,
+        seed_options=seed_options,
+        seed_checkpoint=seed_checkpoint,
+        keep_mixed_precision=keep_mixed_precision,
+    )
+
+
+def _launch(s: _Session, name: str, job_env: dict[str, str], argv: list[str]):
+    record = launch_run(
+        name, job_env, argv, s.out / f"{name}.log", timeout=s.timeout, echo=s.echo
+    )
+    if not record.ok:
+        print(
+            f"[parity] last lines of {record.log_path}:\n" + log_tail(record.log_path),
+            file=sys.stderr,
+            flush=True,
+        )
+    return record
+
+
+def _make_seed(s: _Session, baseline: RunSpec) -> tuple[RunRecord, list[str]]:
+    """Create the seed checkpoint on one rank; set ``s.load_args`` to load it."""
+    seed_dump = s.out / "seed"
+    argv = [
+        s.run_train,
+        f"--dump_folder={seed_dump}",
+        *_SEED_PARALLELISM,
+        *s.precision,
+        *shlex.split(s.seed_options),
+        "--checkpoint.create_seed_checkpoint",
+        "--checkpoint.enable",
+        f"--checkpoint.folder={_SEED_CKPT_FOLDER}",
+        "--debug.deterministic",
+        f"--debug.seed={SEED}",
+    ]
+    record = _launch(s, "seed", baseline.job_env(ngpu=1), argv)
+    seed_path = seed_dump / _SEED_CKPT_FOLDER / "step-0"
+    failures: list[str] = []
+    if not record.ok:
+        failures.append(record.failure())
+    elif not (seed_path / ".metadata").is_file():
+        failures.append(f"seed run succeeded but wrote no checkpoint at {seed_path}")
+    s.load_args = [
+        f"--checkpoint.initial_load_path={seed_path}",
+        "--checkpoint.initial_load_model_only",
+    ]
+    return record, failures
+
+
+def _train(
+    s: _Session, name: str, spec: RunSpec
+) -> tuple[RunRecord, RunScalars | None, list[str]]:
+    """Train ``spec`` for ``s.steps`` steps into ``<out>/<name>``; read its scalars."""
+    dump = s.out / name
+    tb_folder = f"tb_{name}"
+    argv = [
+        s.run_train,
+        f"--dump_folder={dump}",
+        *s.precision,
+        *spec.option_args(),
+        "--debug.deterministic",
+        f"--debug.seed={SEED}",
+        "--metrics.enable_tensorboard",
+        "--metrics.log_freq=1",
+        f"--training.steps={s.steps}",
+        f"--metrics.save_tb_folder={tb_folder}",
+        "--checkpoint.enable",
+        "--checkpoint.load_only",
+        *s.load_args,
+    ]
+    record = _launch(s, name, spec.job_env(), argv)
+    if not record.ok:
+        return record, None, [record.failure()]
+    try:
+        return record, read_tb_scalars(dump / tb_folder), []
+    except ParityError as e:
+        return record, None, [f"{name}: {e}"]
+
+
+def _run_baseline(s: _Session, baseline: RunSpec) -> _Baseline:
+    """The seed (unless disabled) and the baseline run; stops at the first failure."""
+    start = time.monotonic()
+    runs: list[RunRecord] = []
+    failures: list[str] = []
+    scalars: RunScalars | None = None
+    if s.seed_checkpoint:
+        record, failures = _make_seed(s, baseline)
+        runs.append(record)
+    if not failures:
+        record, scalars, failures = _train(s, "baseline", baseline)
+        runs.append(record)
+    return _Baseline(
+        spec=baseline,
+        runs=runs,
+        failures=failures,
+        scalars=scalars,
+        wall_s=time.monotonic() - start,
+    )
+
+
+def _run_record_json(record: RunRecord) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(record),
+        **({} if record.ok else {"log_tail": log_tail(record.log_path)}),
+    }
+
+
+def _run_test(
+    s: _Session, base: _Baseline, name: str, spec: RunSpec, tol: _Tolerance
+) -> ParityResult:
+    """Train one test (unless the baseline failed), compare it, write its report."""
+    started = time.monotonic()
+    failures = list(base.failures)
+    runs = list(base.runs)
+    scalars: RunScalars | None = None
+    if not failures:
+        record, scalars, run_failures = _train(s, name, spec)
+        runs.append(record)
+        failures.extend(run_failures)
+
+    comparison: Comparison | None = None
+    if not failures and base.scalars is not None and scalars is not None:
+        comparison = compare(
+            base.scalars,
+            scalars,
+            loss_tol=tol.loss_tol,
+            grad_norm_tol=tol.grad_norm_tol,
+            exact=tol.exact,
+            expected_steps=s.steps,
+        )
+        failures.extend(comparison.failures)
+        print(f"[parity] baseline vs {name}:\n{format_table(comparison)}", flush=True)
+
+    report_dir = s.out / name
+    report_dir.mkdir(parents=True, exist_ok=True)
+    rows = comparison.rows if comparison else []
+    png_path: Path | None = None
+    if rows:
+        png_path = report_dir / "parity.png"
+        plot(rows, png_path, f"parity: baseline vs {name}, {len(rows)} steps", name)
+
+    passed = comparison is not None and not failures
+    json_path = report_dir / "parity.json"
+    summary = {
+        "name": name,
+        "passed": passed,
+        "failures": failures,
+        "exact": tol.exact,
+        "loss_tol": tol.loss_tol,
+        "grad_norm_tol": tol.grad_norm_tol,
+        "steps": s.steps,
+        "tags": {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG},
+        "max_dloss": comparison.max_dloss if comparison else None,
+        "max_dgrad_norm": comparison.max_dgrad_norm if comparison else None,
+        "baseline": dataclasses.asdict(base.spec),
+        "test": dataclasses.asdict(spec),
+        "seed_options": s.seed_options if s.seed_checkpoint else None,
+        "keep_mixed_precision": s.keep_mixed_precision,
+        "runs": [_run_record_json(r) for r in runs],
+        "per_step": [dataclasses.asdict(r) for r in rows],
+        # The shared seed and baseline runs count in every test's time.
+        "total_wall_s": base.wall_s + (time.monotonic() - started),
+        "png": str(png_path) if png_path else None,
+    }
+    json_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")
+
+    verdict = "PASSED" if passed else "FAILED"
+    print(
+        f"[parity] {name}: {verdict} ({tol.describe()}); summary: {json_path}",
+        flush=True,
+    )
+    for failure in failures:
+        print(f"[parity]   {failure}", flush=True)
+    return ParityResult(
+        passed=passed,
+        rows=rows,
+        max_dloss=summary["max_dloss"],
+        max_dgrad_norm=summary["max_dgrad_norm"],
+        failures=failures,
+        runs=runs,
+        output_dir=s.out,
+        json_path=json_path,
+        png_path=png_path,
+        baseline=base.scalars,
+        test=scalars,
+    )
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3e}"
+
+
+def run_parity_suite(
+    baseline: RunSpec,
+    tests: Mapping[str, RunSpec | ParityCase],
+    *,
+    steps: int = 10,
+    seed_options: str = "",
+    seed_checkpoint: bool = True,
+    output_dir: str | os.PathLike[str] | None = None,
+    loss_tol: float = DEFAULT_LOSS_TOL,
+    grad_norm_tol: float = DEFAULT_GRAD_NORM_TOL,
+    exact: bool = False,
+    keep_mixed_precision: bool = False,
+    timeout: float | None = None,
+    launcher: str | os.PathLike[str] | None = None,
+    echo: bool = False,
+) -> dict[str, ParityResult]:
+    """Compare several tests with one baseline, trained once from one seed.
+
+    The seed checkpoint (one rank, the baseline's job plus ``seed_options``)
+    and the baseline are made once; then each test trains in ``tests``' order
+    and is compared with the baseline. A value is a ``RunSpec`` (compared with
+    the suite's ``exact``/``loss_tol``/``grad_norm_tol``) or a
+    :class:`ParityCase` whose non-``None`` fields override them for that test.
+    Names must match ``[A-Za-z0-9][A-Za-z0-9_.-]*`` and not be ``seed`` or
+    ``baseline``. ``timeout`` is per run, in seconds; ``launcher`` replaces
+    ``run_train.sh`` (same environment and arguments); ``echo`` copies the
+    runs' output to stdout; ``keep_mixed_precision`` keeps the job's parameter
+    dtype instead of float32.
+
+    Layout of ``output_dir``: ``seed/``, ``seed.log``, ``baseline/``,
+    ``baseline.log``; per test ``<name>.log`` and ``<name>/`` (its dump folder,
+    with ``parity.json`` and ``parity.png``); ``suite.json`` lists every
+    test's verdict and maxima. If the seed or baseline fails, no test trains
+    and every result fails with that reason; a failing test does not stop
+    the others. Nothing raises for a failed run: see each result's ``passed``.
+    """
+    cases = _suite_cases(tests)
+    suite_start = time.monotonic()
+    s = _start(
+        output_dir=output_dir,
+        steps=steps,
+        launcher=launcher,
+        timeout=timeout,
+        echo=echo,
+        seed_options=seed_options,
+        seed_checkpoint=seed_checkpoint,
+        keep_mixed_precision=keep_mixed_precision,
+    )
+    base = _run_baseline(s, baseline)
+    results: dict[str, ParityResult] = {}
+    tolerances: dict[str, _Tolerance] = {}
+    for name, case in cases.items():
+        tolerances[name] = _Tolerance(
+            exact=exact if case.exact is None else case.exact,
+            loss_tol=loss_tol if case.loss_tol is None else case.loss_tol,
+            grad_norm_tol=(
+                grad_norm_tol if case.grad_norm_tol is None else case.grad_norm_tol
+            ),
+        )
+        results[name] = _run_test(s, base, name, case.spec, tolerances[name])
+
+    summary = {
+        "passed": all(r.passed for r in results.values()),
+        "steps": steps,
+        "baseline": dataclasses.asdict(baseline),
+        "seed_options": seed_options if seed_checkpoint else None,
+        "keep_mixed_precision": keep_mixed_precision,
+        "failures": base.failures,
+        "runs": [_run_record_json(r) for r in base.runs],
+        "tests": {
+            name: {
+                "passed": r.passed,
+                "max_dloss": r.max_dloss,
+                "max_dgrad_norm": r.max_dgrad_norm,
+                "exact": tolerances[name].exact,
+                "loss_tol": tolerances[name].loss_tol,
+                "grad_norm_tol": tolerances[name].grad_norm_tol,
+                "failures": r.failures,
+                "test": dataclasses.asdict(cases[name].spec),
+                "wall_s": r.runs[-1].wall_s if len(r.runs) > len(base.runs) else None,
+                "json": str(r.json_path),
+                "png": str(r.png_path) if r.png_path else None,
+            }
+            for name, r in results.items()
+        },
+        "total_wall_s": time.monotonic() - suite_start,
+    }
+    suite_path = s.out / "suite.json"
+    suite_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")
+
+    n_passed = sum(r.passed for r in results.values())
+    print(
+        f"[parity] suite: {n_passed}/{len(results)} passed; summary: {suite_path}",
+        flush=True,
+    )
+    for name, r in results.items():
+        print(
+            f"[parity]   {'PASSED' if r.passed else 'FAILED'} {name} "
+            f"(max |dloss| {_fmt(r.max_dloss)}, "
+            f"max |dgrad_norm| {_fmt(r.max_dgrad_norm)})",
+            flush=True,
+        )
+    return results
+
+
+def run_parity(
+    baseline: RunSpec,
+    test: RunSpec | None = None,
+    *,
+    loss_tol: float = DEFAULT_LOSS_TOL,
+    grad_norm_tol: float = DEFAULT_GRAD_NORM_TOL,
+    exact: bool = False,
+    **suite_options,
+) -> ParityResult:
+    """Train ``baseline`` and ``test`` from one seed checkpoint and compare them.
+
+    A suite of one test named ``test`` (its report is ``<output_dir>/test/``);
+    ``test`` defaults to the baseline's job with no options. Other keyword
+    arguments are :func:`run_parity_suite`'s.
+    """
+    if test is None:
+        test = dataclasses.replace(baseline, options="")
+    case = ParityCase(test, exact=exact, loss_tol=loss_tol, grad_norm_tol=grad_norm_tol)
+    return run_parity_suite(baseline, {"test": case}, **suite_options)["test"]

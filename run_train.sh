@@ -7,6 +7,7 @@
 #   CONFIG_FILE    a TOML job file, e.g. train_configs/cp2.toml
 #   MODULE/CONFIG  a registry module and function instead of CONFIG_FILE
 #                  (default torchtitan_ext.muse_glimmer / muse_glimmer_debugmodel_mm)
+#   TRAIN_FILE     the entry module (default torchtitan_ext.train), as upstream
 #   NNODES         number of nodes (default 1); with NNODES > 1 also set
 #   NODE_RANK      this node's rank, 0..NNODES-1, and
 #   RDZV_ENDPOINT  host:port of the rendezvous, the same on every node
@@ -48,4 +49,4 @@ PYTORCH_ALLOC_CONF="expandable_segments:True" \
 "$repo_root/.venv/bin/python" -m torch.distributed.run \
     --nproc_per_node "$NGPU" "${rdzv_args[@]}" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m torchtitan_ext.train "${job_args[@]}" "$@"
+    -m "${TRAIN_FILE:-torchtitan_ext.train}" "${job_args[@]}" "$@"

@@ -6,14 +6,12 @@ DCP checkpoint (model and optimizer state, any world size) into
 ``{dotted.key: tensor}`` on one process.
 """
 
-import tempfile
 from pathlib import Path
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchtitan_ext.tools.parity import RUN_TRAIN, RunSpec, launch_run
+from torchtitan_ext.tools.parity.moments import checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,20 +66,3 @@ def checkpoint_path(dump: Path, step: int) -> Path:
     path = dump / "checkpoint" / f"step-{step}"
     assert (path / ".metadata").is_file(), f"no checkpoint at {path}"
     return path
-
-
-def _flatten(value, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
-    elif isinstance(value, torch.Tensor):
-        out[prefix] = value
-
-
-def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "state.pt")
-        state = torch.load(Path(tmp) / "state.pt", weights_only=False)
-    tensors: dict[str, torch.Tensor] = {}
-    _flatten(state, "", tensors)
-    return tensors

@@ -1,34 +1,17 @@
 """A batch whose placeholders and images disagree fails every CP rank, no hang."""
 
-import io
 import os
 import subprocess
-import tarfile
 import time
-from pathlib import Path
 
-from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+from ..training_runs import REPO
+from ..unit.test_validator import dataset_with_stray_placeholder
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
-def _dataset_with_stray_placeholder(out_dir: Path) -> Path:
-    """One shard of the embedded set; sample 2's caption spells an image placeholder."""
-    source = ensure_embedded_assets().dataset_dir / "embedded-0000.tar"
-    out_dir.mkdir()
-    with tarfile.open(source) as src, tarfile.open(out_dir / "bad.tar", "w") as dst:
-        for member in src.getmembers():
-            data = src.extractfile(member).read()
-            if member.name == "0002.txt":
-                data = b"one shape on gray : <|image_pad|> red circle top left"
-                member.size = len(data)
-            dst.addfile(member, io.BytesIO(data))
-    return out_dir
-
-
 def test_mismatch_fails_all_cp_ranks_with_both_counts(tmp_path):
-    dataset = _dataset_with_stray_placeholder(tmp_path / "data")
+    dataset = dataset_with_stray_placeholder(tmp_path / "data")
     env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
     env["CONFIG_FILE"] = str(REPO / "train_configs" / "cp2.toml")
     start = time.monotonic()

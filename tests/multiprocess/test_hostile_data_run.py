@@ -1,17 +1,29 @@
 """A real CP2 run on the hostile data: both ranks skip the same samples by name."""
 
 import re
+from pathlib import Path
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from torchtitan_ext.muse_glimmer.trainer import SKIPPED_SAMPLES_TAG
 from torchtitan_ext.tools.embedded_data import HOSTILE_SEQ_LEN, ensure_embedded_assets
 
 from ..training_runs import run_train
 from ..unit.test_hostile_data import SKIP, SKIP_REASONS
 
 
+def _tb_scalar(dump: Path, tag: str) -> dict[int, float]:
+    """``tag``'s value per step in the run's one TensorBoard folder."""
+    (run,) = (dump / "tb").iterdir()
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
 def test_cp2_run_on_hostile_data(tmp_path):
-    """Two CP ranks skip the same samples by name and train two steps."""
+    """Two CP ranks skip the same samples by name, count them, train two steps."""
     assets = ensure_embedded_assets(variant="hostile")
-    run_train(
+    dump = run_train(
         tmp_path,
         "hostile_cp2",
         2,
@@ -23,6 +35,8 @@ def test_cp2_run_on_hostile_data(tmp_path):
             f"--training.seq_len={HOSTILE_SEQ_LEN}",
             "--training.local_batch_size=2",
             "--training.steps=2",
+            "--metrics.enable_tensorboard",
+            "--metrics.log_freq=1",
         ],
         timeout_s=300,
         env={"LOG_RANK": "0,1"},
@@ -38,3 +52,11 @@ def test_cp2_run_on_hostile_data(tmp_path):
         for (_, reason, _), kind in zip(skips, kinds, strict=True):
             assert SKIP_REASONS[kind] in reason, (rank, kind)
         assert any(re.search(r"step:\s+2\b", line) for line in lines), rank
+        counted = [
+            int(m[1])
+            for line in lines
+            if (m := re.search(r"skipped samples: (\d+) on dp rank 0", line))
+        ]
+        assert counted and counted[-1] == len(skips), (rank, counted)
+    # Rank 0 writes TensorBoard; by step 2 it has skipped all three.
+    assert _tb_scalar(dump, SKIPPED_SAMPLES_TAG)[2] == len(skips)

@@ -209,6 +209,25 @@ def test_each_hostile_case_through_the_loader(hostile, tokenizer, caplog):
     assert grids["tiny_image"] == [[1, 2, 2]]  # 6x8 -> 28x28
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skipped_samples_counted_in_the_main_process(
+    hostile, tokenizer, caplog, num_workers
+):
+    """With workers, each worker's dataset skips; its batches carry the count home."""
+    caplog.set_level("WARNING")
+    loader = _loader(
+        hostile.dataset_dir, "obelics", tokenizer, robust=True, num_workers=num_workers
+    )
+    batches = list(loader)
+    skipped = {"corrupt_jpeg", "sliver_image", "cut_by_seq_len"}
+    kinds = [hostile_kind(i, SMALL) for i in range(SMALL.num_samples)]
+    assert len(batches) == SMALL.num_samples - loader.skipped_samples
+    assert loader.skipped_samples == sum(kind in skipped for kind in kinds)
+    if not num_workers:  # a worker's warnings do not reach caplog
+        assert loader.skipped_samples == len(_skips(caplog))
+    assert all(inputs.keys() == batches[0][0].keys() for inputs, _ in batches)
+
+
 def test_corrupt_jpeg_in_a_cc12m_tar(tmp_path, tokenizer, caplog):
     """HF decodes a tar's jpg inside the iterator: upstream's run ends there."""
     (tmp_path / "tar").mkdir()

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.utils.tensorboard import SummaryWriter
 
 from torchtitan_ext.tools.parity import (
@@ -29,6 +31,7 @@ from torchtitan_ext.tools.parity import (
     suite,
 )
 from torchtitan_ext.tools.parity.__main__ import build_parser, main, specs_from_args
+from torchtitan_ext.tools.parity.moments import compare_first_moments
 
 
 def _f32(x: float) -> float:
@@ -206,7 +209,8 @@ def test_read_tb_errors(tmp_path):
 # ---------------------------------------------------------------------------
 
 # Accepts run_train.sh's interface, writes a seed checkpoint or TB events.
-# ``--fake.offset=X`` adds X to the loss at step 2, ``--fake.exit=N`` fails
+# ``--fake.offset=X`` adds X to the loss at step 2 (``--fake.offset_step=N``: at
+# step N instead), ``--fake.exit=N`` fails
 # with exit code N; with FAKE_LAUNCH_LOG set, each launch appends its dump
 # folder's name to that file.
 FAKE_TRAIN = f"""\
@@ -236,9 +240,10 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 w = EventFileWriter(str(dump / args["--metrics.save_tb_folder"] / "20260101-1200"))
 offset = float(args.get("--fake.offset", 0))
+offset_step = int(args.get("--fake.offset_step", 2))
 for step in range(1, int(args["--training.steps"]) + 1):
     values = {{
-        "{LOSS_TAG}": 8.0 - step / 8 + (offset if step == 2 else 0),
+        "{LOSS_TAG}": 8.0 - step / 8 + (offset if step == offset_step else 0),
         "{GRAD_NORM_TAG}": 0.25 * step,
     }}
     for tag, v in values.items():
@@ -507,3 +512,135 @@ def test_suite_rejects_bad_tests_before_running(tmp_path, tests, error):
     with pytest.raises((ValueError, TypeError), match=error):
         run_parity_suite(RunSpec(), tests, output_dir=out, launcher="/nonexistent")
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------
+# Per-step bounds from a control, and first moments
+# ---------------------------------------------------------------------------
+
+
+def test_per_step_tolerances_name_the_step():
+    base = _scalars([8.0, 7.0, 6.0])
+    test = _scalars([8.0, 7.0 + 2e-6, 6.0 + 2e-6])
+    c = compare(base, test, loss_tol={1: 1e-6, 2: 1e-6, 3: 1e-5})
+    assert not c.passed
+    assert c.failures == ["step 2: |dloss| 2.00000000e-06 > loss_tol 1.000e-06"]
+    missing = compare(base, test, loss_tol={1: 1.0, 2: 1.0})
+    assert missing.failures == ["step 3: no loss_tol given for this step"]
+
+
+def _loss_offset(offset: float, step: int) -> RunSpec:
+    return RunSpec(options=f"--fake.offset={offset} --fake.offset_step={step}")
+
+
+def test_control_bounds_the_late_steps(tmp_path, fake_launcher):
+    """Tight bounds first; later, the control's running max times the factor."""
+    fake, launches = fake_launcher
+    results = run_parity_suite(
+        RunSpec(),
+        {
+            # The control drifts 1e-3 at step 2; its running max bounds steps 3..4.
+            "control": ParityCase(_loss_offset(1e-3, 2), loss_tol=1.0),
+            "within": ParityCase(_loss_offset(3.5e-3, 4), control="control"),
+            "beyond": ParityCase(_loss_offset(4.5e-3, 3), control="control"),
+            "early": ParityCase(_loss_offset(1e-3, 2), control="control"),
+            "short": ParityCase(_loss_offset(1e-3, 2), control="control", steps=2),
+        },
+        steps=4,
+        tight_steps=2,
+        control_factor=4.0,
+        loss_tol=1e-5,
+        output_dir=tmp_path / "suite",
+        launcher=fake,
+    )
+    assert launches() == ["seed", "baseline", "control", "within", "beyond"] + [
+        "early",
+        "short",
+    ]
+    passed = {name: r.passed for name, r in results.items()}
+    assert passed == {
+        "control": True,
+        "within": True,
+        "beyond": False,
+        "early": False,
+        "short": False,
+    }
+    assert any(
+        f.startswith("step 3: |dloss|") and "> loss_tol 4.000e-03" in f
+        for f in results["beyond"].failures
+    ), results["beyond"].failures
+    assert any(
+        f.startswith("step 2: |dloss|") and "> loss_tol 1.000e-05" in f
+        for f in results["early"].failures
+    )
+    assert [r.step for r in results["short"].rows] == [1, 2]
+    summary = json.loads(results["within"].json_path.read_text())
+    assert summary["control"] == "control" and summary["tight_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("tests", "error"),
+    [
+        ({"a": ParityCase(RunSpec(), control="b")}, "must be an earlier test"),
+        ({"a": ParityCase(RunSpec(), steps=5)}, r"steps=5 must be in 1\.\.3"),
+        (
+            {
+                "a": ParityCase(RunSpec(), steps=2),
+                "b": ParityCase(RunSpec(), control="a"),
+            },
+            "trains 2 steps, fewer than its 3",
+        ),
+    ],
+)
+def test_suite_rejects_bad_controls_before_running(tmp_path, tests, error):
+    with pytest.raises(ValueError, match=error):
+        run_parity_suite(
+            RunSpec(), tests, steps=3, output_dir=tmp_path / "x", launcher="/none"
+        )
+    assert not (tmp_path / "x").exists()
+
+
+def _moments_checkpoint(path: Path, moments: dict[str, torch.Tensor]) -> Path:
+    state = {
+        "optimizer": {
+            f"state.{name}": {"exp_avg": m, "exp_avg_sq": m * m}
+            for name, m in moments.items()
+        }
+    }
+    dcp.save(state, checkpoint_id=str(path))
+    return path
+
+
+def test_first_moments_relative_to_each_tensors_largest_entry(tmp_path):
+    big = torch.linspace(-100.0, 100.0, 50)
+    small = torch.linspace(-1e-3, 1e-3, 50)
+    base = _moments_checkpoint(tmp_path / "base", {"big": big, "small": small})
+    near = _moments_checkpoint(
+        tmp_path / "near", {"big": big + 1e-3, "small": small + 1e-9}
+    )
+    c = compare_first_moments(base, near, tol=2e-5)
+    keys = {"optimizer.state.big.exp_avg", "optimizer.state.small.exp_avg"}
+    assert set(c.errors) == keys and c.passed
+    assert c.errors["optimizer.state.big.exp_avg"] == pytest.approx(1e-5, rel=1e-3)
+    assert c.errors["optimizer.state.small.exp_avg"] == pytest.approx(1e-6, rel=0.1)
+
+    # One entry of the small tensor off by 1% of its scale: invisible in
+    # absolute terms next to the big tensor, flagged relative to its own.
+    off = small.clone()
+    off[7] += 1e-5
+    one = _moments_checkpoint(tmp_path / "one", {"big": big, "small": off})
+    c = compare_first_moments(base, one, tol=2e-5)
+    assert not c.passed and c.max_error == pytest.approx(1e-2, rel=1e-3)
+    assert "optimizer.state.small.exp_avg" in c.failures[0]
+
+
+def test_first_moments_fail_on_nan_and_missing_tensors(tmp_path):
+    m = torch.ones(4)
+    base = _moments_checkpoint(tmp_path / "base", {"a": m, "b": m})
+    nan = _moments_checkpoint(
+        tmp_path / "nan", {"a": torch.tensor([1.0, math.nan, 1.0, 1.0]), "b": m}
+    )
+    assert not compare_first_moments(base, nan, tol=1.0).passed
+    fewer = _moments_checkpoint(tmp_path / "fewer", {"a": m})
+    c = compare_first_moments(base, fewer, tol=1.0)
+    assert not c.passed and "only in baseline" in c.failures[0]

@@ -18,6 +18,7 @@ from .parallelize import parallelize_muse_glimmer
 from .pipeline import pipeline_muse_glimmer
 from .sharding import VISION_MODULE_FQNS
 from .trainer import (
+    MuseGlimmerMetricsProcessor,
     MuseGlimmerTrainer,
     MuseGlimmerValidator,
     VisionGeometry,
@@ -28,6 +29,7 @@ from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
 __all__ = [
     "VISION_MODULE_FQNS",
+    "MuseGlimmerMetricsProcessor",
     "MuseGlimmerModel",
     "MuseGlimmerTrainer",
     "MuseGlimmerValidator",

@@ -13,7 +13,11 @@ from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
 from . import model_registry
 from .data import RobustMMDataLoader
-from .trainer import MuseGlimmerTrainer, MuseGlimmerValidator
+from .trainer import (
+    MuseGlimmerMetricsProcessor,
+    MuseGlimmerTrainer,
+    MuseGlimmerValidator,
+)
 
 __all__ = [
     "muse_glimmer_debugmodel_mm",
@@ -53,6 +57,7 @@ def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Confi
     """An upstream job, run by the plug-in's Trainer and model on embedded data."""
     job = _as(MuseGlimmerTrainer.Config, config)
     job.validator = _as(MuseGlimmerValidator.Config, config.validator)
+    job.metrics = _as(MuseGlimmerMetricsProcessor.Config, config.metrics)
     job.dataloader = _as(RobustMMDataLoader.Config, config.dataloader)
     job.model_spec = model_registry(flavor, attn_backend="flex")
     job.hf_assets_path, job.dataloader.dataset_path = _embedded_data_paths()

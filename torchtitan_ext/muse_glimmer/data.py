@@ -18,6 +18,8 @@ whose image placeholders would be cut never reaches the collator. What it lacks:
 - After a resume, every pass of its infinite loop restarts at the checkpointed
   position instead of the start (see ``_ResumedOnce``). Here only the first
   pass does, as in the uninterrupted run.
+- Nothing counts the skipped samples for the metrics. Here the loader's
+  ``skipped_samples`` does, also when worker processes do the skipping.
 """
 
 import logging
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datasets import IterableDataset
+from torchtitan.hf_datasets.multimodal.mm_collator import MultiModalCollator
 from torchtitan.hf_datasets.multimodal.mm_datasets import (
     HuggingFaceMultiModalDataset,
     MMDataLoader,
@@ -163,6 +166,31 @@ class _ResumedOnce:
         self._stream.load_state_dict(state_dict)
 
 
+_SKIPPED_KEY = "_skipped_since_last_batch"
+
+
+class _CountingCollator:
+    """The collator, adding to each batch the samples skipped since the last one.
+
+    With ``num_workers > 0`` the dataset, and with it ``SampleSkipper.skipped``,
+    lives in each worker process; the batch is the one thing that comes back.
+    A count since this process's previous batch adds up across workers (and
+    across worker restarts) in the main process.
+    """
+
+    def __init__(self, collate: MultiModalCollator, skipper: SampleSkipper) -> None:
+        self._collate = collate
+        self._skipper = skipper
+        self._reported = 0
+
+    def __call__(self, samples: list[dict[str, Any]]):
+        input_dict, labels = self._collate(samples)
+        skipped = self._skipper.skipped
+        input_dict[_SKIPPED_KEY] = skipped - self._reported
+        self._reported = skipped
+        return input_dict, labels
+
+
 class RobustMMDataLoader(MMDataLoader):
     """torchtitan's ``MMDataLoader`` whose dataset skips bad samples by name."""
 
@@ -178,3 +206,15 @@ class RobustMMDataLoader(MMDataLoader):
         dataset.sample_processor = SampleSkipper(
             dataset.sample_processor, dataset, dp_rank=self.dp_rank
         )
+        self.collate_fn = _CountingCollator(self.collate_fn, dataset.sample_processor)
+        self.skipped_samples = 0
+        """Samples of this dp rank's share skipped before the batches yielded so far."""
+
+    def __iter__(self):
+        # Upstream's iterator now, not at the first batch: it loads a restored state.
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches):
+        for input_dict, labels in batches:
+            self.skipped_samples += input_dict.pop(_SKIPPED_KEY)
+            yield input_dict, labels

@@ -7,9 +7,13 @@ from typing import Any
 
 import spmd_types as spmd
 import torch
+from torch import nn
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from .config_checks import check_job_config
@@ -17,12 +21,16 @@ from .sharding import BATCH_TOKEN_TYPE
 from .vision_bank import build_vision_bank_indices, check_vision_placeholders
 
 __all__ = [
+    "SKIPPED_SAMPLES_TAG",
+    "MuseGlimmerMetricsProcessor",
     "MuseGlimmerTrainer",
     "MuseGlimmerValidator",
     "VisionGeometry",
     "blank_image",
     "post_process_with_vision_bank_indices",
 ]
+
+SKIPPED_SAMPLES_TAG = "data/skipped_samples"
 
 _Batch = tuple[dict[str, Any], torch.Tensor]
 _ModelInputs = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
@@ -67,6 +75,39 @@ def blank_image(
     }
 
 
+def _checked_batches(
+    batches: Iterable[_Batch], geometry: VisionGeometry | None
+) -> Iterator[_Batch]:
+    """``batches``, each rejected if its placeholders and images disagree.
+
+    Run on the CPU batch, before it moves to the device: the check reads its
+    counts on the host, and every rank of a CP group raises the same error
+    before any collective.
+    """
+    for input_dict, labels in batches:
+        if geometry is not None and "special_tokens" in input_dict:
+            check_vision_placeholders(
+                input_dict["input"],
+                input_dict.get("grid_thw"),
+                image_id=input_dict["special_tokens"]["image_id"],
+                spatial_merge_size=geometry.spatial_merge_size,
+            )
+        yield input_dict, labels
+
+
+class _CheckedLoaderConfig:
+    """Stands in for the Validator's ``dl_config``: its loader's batches, checked."""
+
+    def __init__(
+        self, config: BaseDataLoader.Config, geometry: VisionGeometry | None
+    ) -> None:
+        self._config = config
+        self._geometry = geometry
+
+    def build(self, **kwargs) -> Iterator[_Batch]:
+        return _checked_batches(self._config.build(**kwargs), self._geometry)
+
+
 def post_process_with_vision_bank_indices(
     post_process: Callable[[dict[str, Any], torch.Tensor], _ModelInputs],
     input_dict: dict[str, Any],
@@ -106,11 +147,26 @@ def post_process_with_vision_bank_indices(
 
 
 class MuseGlimmerValidator(Validator):
-    """torchtitan's Validator, with the Trainer's bank indices."""
+    """torchtitan's Validator, with the Trainer's batch check and bank indices."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
         pass
+
+    def validate(self, model_parts: list[nn.Module], step: int) -> None:
+        """Upstream's validation, each batch checked as the Trainer checks it.
+
+        Upstream builds its loader from ``self.dl_config`` inside ``validate``
+        and moves each batch to the device right after ``next``, with no hook in
+        between; the stand-in config builds that loader with its batches checked.
+        """
+        dl_config = self.dl_config
+        geometry = VisionGeometry.of(getattr(model_parts[0], "config", None))
+        self.dl_config = _CheckedLoaderConfig(dl_config, geometry)
+        try:
+            super().validate(model_parts, step)
+        finally:
+            self.dl_config = dl_config
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         return post_process_with_vision_bank_indices(
@@ -123,6 +179,40 @@ class MuseGlimmerValidator(Validator):
         )
 
 
+class MuseGlimmerMetricsProcessor(MetricsProcessor):
+    """torchtitan's MetricsProcessor, also logging the samples the data skipped.
+
+    The Trainer sets ``dataloader`` once built, as upstream sets ``optimizers``
+    and ``model_parts``. Its ``skipped_samples`` (see ``RobustMMDataLoader``) is
+    this dp rank's count, a host int: logging it costs no sync or collective.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    dataloader: BaseDataLoader | None = None
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ):
+        skipped = getattr(self.dataloader, "skipped_samples", None)
+        if skipped is not None:
+            extra_metrics = {**(extra_metrics or {}), SKIPPED_SAMPLES_TAG: skipped}
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        if skipped is not None:  # upstream's console line takes no extra metrics
+            color = self.color
+            logger.info(
+                f"{color.red}step: {step:2}  {color.yellow}skipped samples: "
+                f"{skipped} on dp rank {self.dataloader.dp_rank}{color.reset}"
+            )
+
+
 class MuseGlimmerTrainer(Trainer):
     """torchtitan's Trainer, preparing muse_glimmer's vision inputs for CP."""
 
@@ -131,6 +221,14 @@ class MuseGlimmerTrainer(Trainer):
         validator: MuseGlimmerValidator.Config = field(
             default_factory=MuseGlimmerValidator.Config
         )
+        metrics: MuseGlimmerMetricsProcessor.Config = field(
+            default_factory=MuseGlimmerMetricsProcessor.Config
+        )
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if isinstance(self.metrics_processor, MuseGlimmerMetricsProcessor):
+            self.metrics_processor.dataloader = self.dataloader
 
     def init_distributed(self) -> ParallelDims:
         """Check the job before upstream builds its process group and ``ParallelDims``.
@@ -145,16 +243,9 @@ class MuseGlimmerTrainer(Trainer):
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""
-        geometry = VisionGeometry.of(self.model_config)
-        for input_dict, labels in super().batch_generator(data_iterable):
-            if geometry is not None and "special_tokens" in input_dict:
-                check_vision_placeholders(
-                    input_dict["input"],
-                    input_dict.get("grid_thw"),
-                    image_id=input_dict["special_tokens"]["image_id"],
-                    spatial_merge_size=geometry.spatial_merge_size,
-                )
-            yield input_dict, labels
+        return _checked_batches(
+            super().batch_generator(data_iterable), VisionGeometry.of(self.model_config)
+        )
 
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: torch.Tensor

@@ -1,6 +1,7 @@
 """Step-by-step comparison of two runs' loss and gradient norm."""
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .scalars import RunScalars
@@ -10,12 +11,16 @@ __all__ = [
     "DEFAULT_LOSS_TOL",
     "Comparison",
     "StepRow",
+    "Tolerance",
     "compare",
     "format_table",
 ]
 
 DEFAULT_LOSS_TOL = 1e-5
 DEFAULT_GRAD_NORM_TOL = 1e-4
+
+Tolerance = float | Mapping[int, float]
+"""One bound for every step, or a bound per step (every compared step needs one)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,19 +91,39 @@ def _non_finite_failures(rows: list[StepRow]) -> list[str]:
     return failures
 
 
+def _tolerance_failures(rows: list[StepRow], metric: str, tol: Tolerance) -> list[str]:
+    name = f"{metric}_tol"
+    diffs = {r.step: getattr(r, f"d{metric}") for r in rows}
+    if not isinstance(tol, Mapping):
+        worst = max(diffs.values())
+        if worst <= tol:
+            return []
+        return [f"max |d{metric}| {worst:.8e} > {name} {tol:.3e}"]
+    failures = []
+    for step, diff in diffs.items():
+        if step not in tol:
+            failures.append(f"step {step}: no {name} given for this step")
+        elif not diff <= tol[step]:
+            failures.append(
+                f"step {step}: |d{metric}| {diff:.8e} > {name} {tol[step]:.3e}"
+            )
+    return failures
+
+
 def compare(
     baseline: RunScalars,
     test: RunScalars,
     *,
-    loss_tol: float = DEFAULT_LOSS_TOL,
-    grad_norm_tol: float = DEFAULT_GRAD_NORM_TOL,
+    loss_tol: Tolerance = DEFAULT_LOSS_TOL,
+    grad_norm_tol: Tolerance = DEFAULT_GRAD_NORM_TOL,
     exact: bool = False,
     expected_steps: int | None = None,
 ) -> Comparison:
     """Compare two runs step by step.
 
-    With ``exact`` any difference fails; otherwise max |dloss| must not exceed
-    ``loss_tol`` nor max |dgrad_norm| ``grad_norm_tol``. A NaN or infinite
+    With ``exact`` any difference fails; otherwise |dloss| must not exceed
+    ``loss_tol`` nor |dgrad_norm| ``grad_norm_tol``, one bound for all steps or
+    one per step (``{step: bound}``). A NaN or infinite
     value on either side fails (a diverged run is never "equal", not even to
     another diverged run), and so do different step sets, no steps at all, or
     (with ``expected_steps``) steps other than ``1..expected_steps``: a parity
@@ -149,12 +174,8 @@ def compare(
                     f"{r.baseline_grad_norm!r}, test {r.test_grad_norm!r}"
                 )
     else:
-        if not max_dloss <= loss_tol:
-            failures.append(f"max |dloss| {max_dloss:.8e} > loss_tol {loss_tol:.3e}")
-        if not max_dgrad <= grad_norm_tol:
-            failures.append(
-                f"max |dgrad_norm| {max_dgrad:.8e} > grad_norm_tol {grad_norm_tol:.3e}"
-            )
+        failures.extend(_tolerance_failures(rows, "loss", loss_tol))
+        failures.extend(_tolerance_failures(rows, "grad_norm", grad_norm_tol))
     return Comparison(
         rows=rows,
         max_dloss=max_dloss,

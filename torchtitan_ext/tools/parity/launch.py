@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -33,6 +33,7 @@ RUN_TRAIN = REPO_ROOT / "run_train.sh"
 # silently change which job runs, or where.
 _LAUNCH_ENV = (
     "CONFIG_FILE",
+    "TRAIN_FILE",
     "MODULE",
     "CONFIG",
     "NGPU",
@@ -49,7 +50,8 @@ class RunSpec:
 
     ``config_file`` (a TOML job, passed as ``CONFIG_FILE``) replaces
     ``module``/``config`` when set. ``options`` are extra trainer flags, one
-    shell-quoted string as in ``loss_compare.py``.
+    shell-quoted string as in ``loss_compare.py``; ``env`` extra variables
+    for ``run_train.sh`` (e.g. ``TRAIN_FILE``, the entry module).
     """
 
     module: str = DEFAULT_MODULE
@@ -57,6 +59,7 @@ class RunSpec:
     config_file: str | None = None
     options: str = ""
     ngpu: int = 1
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.ngpu < 1:
@@ -69,7 +72,7 @@ class RunSpec:
 
     def job_env(self, ngpu: int | None = None) -> dict[str, str]:
         """The ``run_train.sh`` variables that select this job."""
-        env = {"NGPU": str(self.ngpu if ngpu is None else ngpu)}
+        env = {**self.env, "NGPU": str(self.ngpu if ngpu is None else ngpu)}
         if self.config_file:
             env["CONFIG_FILE"] = self.config_file
         else:

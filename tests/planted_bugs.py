@@ -1,0 +1,124 @@
+"""The training entry point with one bug planted: the parity checks must see it.
+
+``TRAIN_FILE=tests.planted_bugs TORCHTITAN_EXT_PLANTED_BUG=<name> ./run_train.sh``
+monkeypatches the plug-in in every rank's process (no file is edited), then
+trains as ``torchtitan_ext.train`` does. Each bug is one a CP change could
+plausibly ship; ``PLANTED_BUGS`` names them.
+"""
+
+import os
+
+import torch
+
+from torchtitan_ext import cpu_backend
+
+__all__ = ["PLANTED_BUGS", "main"]
+
+# headtail with cp=2 gives rank 0 the chunks 0 and 3 of four, rank 1 chunks 1 and 2.
+_HEADTAIL_CP2_RANK_BOUNDARIES = (1, 3)
+
+
+def _roll_one_image_at_a_boundary() -> None:
+    """One image's rows off by one where its span crosses a CP shard boundary.
+
+    The placeholders past the boundary (on the other rank, under headtail at
+    cp=2) take the image's rows rolled by one position.
+    """
+    from torchtitan_ext.muse_glimmer import trainer
+
+    build = trainer.build_vision_bank_indices
+
+    def rolled(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
+        indices_BL = build(
+            tokens_BL,
+            grid_thw_N3,
+            image_id=image_id,
+            spatial_merge_size=spatial_merge_size,
+        ).clone()
+        length = tokens_BL.shape[1]
+        for row in range(tokens_BL.shape[0]):
+            for chunk in _HEADTAIL_CP2_RANK_BOUNDARIES:
+                boundary = chunk * length // 4
+                is_image = indices_BL[row] >= 0
+                if not (is_image[boundary - 1] and is_image[boundary]):
+                    continue
+                end = boundary
+                while end < length and is_image[end]:
+                    end += 1
+                indices_BL[row, boundary:end] = indices_BL[row, boundary:end].roll(1)
+                return indices_BL
+        raise RuntimeError("planted bug: no image span crosses a CP2 headtail boundary")
+
+    trainer.build_vision_bank_indices = rolled
+
+
+def _shard_bank_indices_contiguously() -> None:
+    """Bank indices cut into contiguous CP shards while the tokens are balanced."""
+    from torchtitan_ext.muse_glimmer import trainer
+
+    post_process = trainer.MuseGlimmerTrainer.post_dataloading_process
+
+    def contiguous(self, input_dict, labels):
+        inputs, labels_out, extra = post_process(self, input_dict, labels)
+        if self.parallel_dims.cp_enabled and input_dict.get("pixel_values") is not None:
+            geometry = trainer.VisionGeometry.of(self.model_config)
+            indices_BL = trainer.build_vision_bank_indices(
+                input_dict["input"],
+                input_dict["grid_thw"],
+                image_id=input_dict["special_tokens"]["image_id"],
+                spatial_merge_size=geometry.spatial_merge_size,
+            )
+            cp_mesh = self.parallel_dims.get_mesh("cp")
+            shard_BL = indices_BL.chunk(cp_mesh.size(), dim=1)[cp_mesh.get_local_rank()]
+            extra["vision_bank_indices"] = shard_BL.contiguous().to(inputs.device)
+        return inputs, labels_out, extra
+
+    trainer.MuseGlimmerTrainer.post_dataloading_process = contiguous
+
+
+def _all_gather_vision_kv_over_cp() -> None:
+    """The vision attention keeps the decoder's layout: k/v all-gathered over cp."""
+    from torchtitan_ext.muse_glimmer import sharding
+
+    sharding._vision_inner_attention_sharding = lambda decoder_style: decoder_style
+
+
+def _keep_bank_gradient_of_rows_held_elsewhere() -> None:
+    """Bank rows no token on this rank gathers still get a (sink) gradient."""
+    from torchtitan_ext.muse_glimmer import model
+
+    def backward(ctx, grad_BLD):
+        target_T, _held_elsewhere_T, last_is_vision = ctx.saved_tensors
+        grad_ND = grad_BLD.reshape(-1, grad_BLD.shape[-1])
+        grad_bank_TD = grad_ND.index_select(0, target_T)
+        grad_h_ND = grad_ND.index_fill(0, target_T, 0)
+        zero = grad_ND.new_zeros(())
+        torch.where(last_is_vision, zero, grad_ND[-1], out=grad_h_ND[-1])
+        return grad_h_ND.view_as(grad_BLD), grad_bank_TD, None
+
+    model._WriteVisionRows.backward = staticmethod(backward)
+
+
+PLANTED_BUGS = {
+    "image_rows_off_by_one_at_a_shard_boundary": _roll_one_image_at_a_boundary,
+    "bank_indices_sharded_contiguously": _shard_bank_indices_contiguously,
+    "vision_kv_all_gathered_over_cp": _all_gather_vision_kv_over_cp,
+    "bank_gradient_of_rows_held_elsewhere": _keep_bank_gradient_of_rows_held_elsewhere,
+}
+
+
+def main() -> None:
+    cpu_backend.apply()
+    name = os.environ.get("TORCHTITAN_EXT_PLANTED_BUG", "")
+    if name not in PLANTED_BUGS:
+        raise SystemExit(
+            f"TORCHTITAN_EXT_PLANTED_BUG={name!r}; valid: {sorted(PLANTED_BUGS)}"
+        )
+    PLANTED_BUGS[name]()
+    from torchtitan_ext import train
+
+    train.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -18,17 +18,19 @@ __all__ = ["PLANTED_BUGS", "main"]
 _HEADTAIL_CP2_RANK_BOUNDARIES = (1, 3)
 
 
-def _roll_one_image_at_a_boundary() -> None:
-    """One image's rows off by one where its span crosses a CP shard boundary.
+def _rows_off_by_one_at_a_boundary() -> None:
+    """An image's rows off by one past a CP shard boundary its span crosses.
 
-    The placeholders past the boundary (on the other rank, under headtail at
-    cp=2) take the image's rows rolled by one position.
+    Under headtail at cp=2 the placeholders after the boundary (held by the
+    other rank) read the image's next row, wrapping within the image: the
+    offset bug a rank that starts inside an image would make. The packed
+    debug data's step-2 batch has such an image; step 1's has none.
     """
     from torchtitan_ext.muse_glimmer import trainer
 
     build = trainer.build_vision_bank_indices
 
-    def rolled(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
+    def off_by_one(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
         indices_BL = build(
             tokens_BL,
             grid_thw_N3,
@@ -36,20 +38,21 @@ def _roll_one_image_at_a_boundary() -> None:
             spatial_merge_size=spatial_merge_size,
         ).clone()
         length = tokens_BL.shape[1]
-        for row in range(tokens_BL.shape[0]):
+        for row_L in indices_BL:
             for chunk in _HEADTAIL_CP2_RANK_BOUNDARIES:
                 boundary = chunk * length // 4
-                is_image = indices_BL[row] >= 0
-                if not (is_image[boundary - 1] and is_image[boundary]):
+                if row_L[boundary - 1] < 0 or row_L[boundary] < 0:
                     continue
-                end = boundary
-                while end < length and is_image[end]:
+                start, end = boundary - 1, boundary
+                while start > 0 and row_L[start - 1] >= 0:
+                    start -= 1
+                while end < length and row_L[end] >= 0:
                     end += 1
-                indices_BL[row, boundary:end] = indices_BL[row, boundary:end].roll(1)
-                return indices_BL
-        raise RuntimeError("planted bug: no image span crosses a CP2 headtail boundary")
+                first, rows = row_L[start], end - start
+                row_L[boundary:end] = first + (row_L[boundary:end] - first + 1) % rows
+        return indices_BL
 
-    trainer.build_vision_bank_indices = rolled
+    trainer.build_vision_bank_indices = off_by_one
 
 
 def _shard_bank_indices_contiguously() -> None:
@@ -100,7 +103,7 @@ def _keep_bank_gradient_of_rows_held_elsewhere() -> None:
 
 
 PLANTED_BUGS = {
-    "image_rows_off_by_one_at_a_shard_boundary": _roll_one_image_at_a_boundary,
+    "image_rows_off_by_one_at_a_shard_boundary": _rows_off_by_one_at_a_boundary,
     "bank_indices_sharded_contiguously": _shard_bank_indices_contiguously,
     "vision_kv_all_gathered_over_cp": _all_gather_vision_kv_over_cp,
     "bank_gradient_of_rows_held_elsewhere": _keep_bank_gradient_of_rows_held_elsewhere,

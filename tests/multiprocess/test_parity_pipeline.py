@@ -1,60 +1,23 @@
-"""Numerical parity of pipeline parallelism composed with CP, TP and SP.
+"""Pipeline parallelism on rows, steps and data ranks without images.
 
 Settings as in ``parity_suites.py``: fp32 parameters, deterministic, one seed
 checkpoint per suite, packed sequences. Each pipeline step runs two
 microbatches of one packed row (``local_batch_size`` 2, microbatch size 1), so
-the 1-rank baseline sees the same rows in the same step.
+the 1-rank baseline sees the same rows in the same step. The packed PP jobs
+with images (PP2, CP2xPP2, TP2xCP2xPP2+SP) are in ``test_parity_cp.py``.
 """
 
 import dataclasses
 import itertools
 
-from torchtitan_ext.tools.parity import RunSpec, compare
+from torchtitan_ext.tools.parity import RunSpec
 
 from ..parity_suites import (
-    GRAD_NORM_TOL,
-    LOSS_TOL,
     STEPS,
     assert_passed,
-    maxima,
     run_suite,
     toml_spec,
 )
-
-
-def test_one_rank_vs_pp2_cp2_pp2_interleaved(tmp_path):
-    """1 rank vs PP2 and CP2xPP2 (Interleaved1F1B); PP2 vs CP2xPP2 (1F1B)."""
-    results = run_suite(
-        tmp_path,
-        "pipeline",
-        toml_spec("packed.toml", 1),
-        {
-            "pp2": toml_spec("pp2.toml", 2),
-            "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
-            "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),
-        },
-    )
-    pp2_vs_cp2_pp2 = compare(
-        results["pp2"].test,
-        results["cp2_pp2"].test,
-        loss_tol=LOSS_TOL,
-        grad_norm_tol=GRAD_NORM_TOL,
-        expected_steps=STEPS,
-    )
-    assert_passed(results)
-    print(f"pipeline/pp2 vs cp2_pp2: {maxima(pp2_vs_cp2_pp2)}")
-    assert pp2_vs_cp2_pp2.passed, pp2_vs_cp2_pp2.failures
-
-
-def test_tp2_pp2_sp_vs_tp2_cp2_pp2_sp(tmp_path):
-    """TP2xPP2+SP (4 ranks) vs TP2xCP2xPP2+SP (8 ranks)."""
-    results = run_suite(
-        tmp_path,
-        "tp2_pp2_sp",
-        toml_spec("tp2_pp2_sp.toml", 4),
-        {"tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8)},
-    )
-    assert_passed(results)
 
 
 def _no_image_data(assets) -> str:

@@ -34,8 +34,10 @@ from .compare import (
     StepRow,
     compare,
     format_table,
+    per_step_tolerances,
 )
 from .launch import RUN_TRAIN, RunRecord, RunSpec, launch_run
+from .moments import MomentComparison, compare_first_moments
 from .scalars import GRAD_NORM_TAG, LOSS_TAG, ParityError, RunScalars, read_tb_scalars
 from .suite import ParityCase, ParityResult, run_parity, run_parity_suite
 
@@ -46,6 +48,7 @@ __all__ = [
     "LOSS_TAG",
     "RUN_TRAIN",
     "Comparison",
+    "MomentComparison",
     "ParityCase",
     "ParityError",
     "ParityResult",
@@ -54,8 +57,10 @@ __all__ = [
     "RunSpec",
     "StepRow",
     "compare",
+    "compare_first_moments",
     "format_table",
     "launch_run",
+    "per_step_tolerances",
     "read_tb_scalars",
     "run_parity",
     "run_parity_suite",

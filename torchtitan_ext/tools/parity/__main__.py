@@ -86,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--exact", action="store_true", help="fail on any difference at all"
     )
     parser.add_argument(
+        "--moment-step",
+        type=int,
+        default=None,
+        help="save both runs' state after this step and compare every "
+        "parameter's AdamW first moment (default: no comparison)",
+    )
+    parser.add_argument(
+        "--moment-tol",
+        type=float,
+        default=None,
+        help="max first-moment difference relative to each tensor's largest "
+        "entry (default: report only)",
+    )
+    parser.add_argument(
         "--keep-mixed-precision",
         action="store_true",
         help="do not force --training.mixed_precision_param float32",
@@ -136,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss_tol=args.loss_tol,
             grad_norm_tol=args.grad_norm_tol,
             exact=args.exact,
+            moment_step=args.moment_step,
+            moment_tol=args.moment_tol,
             keep_mixed_precision=args.keep_mixed_precision,
             timeout=args.timeout,
             echo=not args.quiet,

@@ -25,6 +25,7 @@ from .compare import (
     Tolerance,
     compare,
     format_table,
+    per_step_tolerances,
 )
 from .launch import RUN_TRAIN, RunRecord, RunSpec, launch_run, log_tail
 from .moments import MomentComparison, compare_first_moments
@@ -85,7 +86,8 @@ class ParityResult:
 
     ``output_dir`` holds all runs of the suite; ``runs`` are the seed (if
     any), the baseline and the test, as far as they got. ``moments`` is the
-    first-moment comparison when the suite makes one.
+    first-moment comparison when the suite makes one, ``checkpoint`` the
+    test's saved state it read.
     """
 
     passed: bool
@@ -100,6 +102,7 @@ class ParityResult:
     baseline: RunScalars | None = None
     test: RunScalars | None = None
     moments: MomentComparison | None = None
+    checkpoint: Path | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,28 +134,17 @@ class _Settings:
     def step_tolerances(
         self, control_rows: list[StepRow] | None
     ) -> tuple[Tolerance, Tolerance]:
-        """Per-step bounds: tight first, then the control's running max, scaled.
-
-        Never below the tight bounds; without a control every step gets them.
-        """
+        """The tight bounds at every step, or per step from the control."""
         if self.tight_steps is None or self.control is None:
             return self.loss_tol, self.grad_norm_tol
-        control = {r.step: r for r in control_rows or []}
-        loss: dict[int, float] = {}
-        grad_norm: dict[int, float] = {}
-        control_loss = control_grad_norm = 0.0
-        for step in range(1, self.steps + 1):
-            if step in control:
-                control_loss = max(control_loss, control[step].dloss)
-                control_grad_norm = max(control_grad_norm, control[step].dgrad_norm)
-            if step <= self.tight_steps:
-                loss[step], grad_norm[step] = self.loss_tol, self.grad_norm_tol
-            elif step in control:
-                loss[step] = max(self.loss_tol, self.control_factor * control_loss)
-                grad_norm[step] = max(
-                    self.grad_norm_tol, self.control_factor * control_grad_norm
-                )
-        return loss, grad_norm
+        return per_step_tolerances(
+            loss_tol=self.loss_tol,
+            grad_norm_tol=self.grad_norm_tol,
+            steps=self.steps,
+            tight_steps=self.tight_steps,
+            control=control_rows or [],
+            control_factor=self.control_factor,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -508,6 +500,7 @@ def _run_test(
         baseline=base.scalars,
         test=scalars,
         moments=moments,
+        checkpoint=s.checkpoint_path(name) if moments else None,
     )
 
 

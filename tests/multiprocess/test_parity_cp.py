@@ -1,0 +1,223 @@
+"""Numerical parity of every CP topology on packed sequences, and planted bugs.
+
+One suite trains the 1-rank packed baseline once from one seed checkpoint;
+every CP job is compared with it, and also with its sharpest baseline, a
+job without CP that computes the same global batch (TP2+SP for TP2+CP2+SP,
+PP2 for CP2xPP2, TP2xPP2+SP for TP2xCP2xPP2+SP). The same comparison holds
+each run to ``CP_BOUNDS``: tight bounds over steps 1-2, later steps bounded
+by the TP2+SP run (the same math as 1 rank, reordered across ranks), and
+every parameter's first moment after step 2. Four bugs a CP change could
+ship are planted in runs of the same suite (``tests/planted_bugs.py``); each
+must be flagged. FSDP2xCP2 is compared with FSDP2 in a suite of its own: two
+data ranks read other samples than one rank does.
+"""
+
+import pytest
+
+from torchtitan_ext.tools.parity import (
+    ParityCase,
+    ParityResult,
+    RunSpec,
+    compare,
+    compare_first_moments,
+    per_step_tolerances,
+)
+
+from ..parity_suites import (
+    CP_BOUNDS,
+    GRAD_NORM_TOL,
+    LOSS_TOL,
+    STEPS,
+    maxima,
+    moments_line,
+    run_suite,
+    toml_spec,
+)
+from ..planted_bugs import PLANTED_BUGS
+from ..training_runs import REPO
+
+CONTROL = "tp2_sp"
+HEADTAIL = "--parallelism.context_parallel_load_balancer headtail"
+
+
+def _typechecked(job: str, ngpu: int) -> RunSpec:
+    """A registry job ``muse_glimmer_debugmodel_mm_<job>`` (no TOML file)."""
+    return RunSpec(
+        module="torchtitan_ext.muse_glimmer",
+        config=f"muse_glimmer_debugmodel_mm_{job}",
+        ngpu=ngpu,
+    )
+
+
+def _planted(bug: str) -> ParityCase:
+    """CP2 with ``bug`` planted, 2 steps: the tight bounds and the moments judge."""
+    spec = toml_spec("cp2.toml", 2, HEADTAIL if bug.startswith("image_rows") else "")
+    spec.env = {
+        "TRAIN_FILE": "tests.planted_bugs",
+        "TORCHTITAN_EXT_PLANTED_BUG": bug,
+        "PYTHONPATH": str(REPO),
+    }
+    return ParityCase(spec, steps=2, control=CONTROL)
+
+
+# Sharpest baseline of each CP job, when it is not the 1-rank run.
+SHARPEST = {
+    "tp2_cp2_sp": "tp2_sp",
+    "tp2_cp2_sp_typechecked": "tp2_sp",
+    "cp2_pp2": "pp2",
+    "cp2_pp2_interleaved": "pp2",
+    "tp2_cp2_pp2_sp": "tp2_pp2_sp",
+}
+CP_JOBS = {
+    "cp2_ptrr_typechecked": _typechecked(
+        "muse_glimmer_debugmodel_mm_cp2_typechecked", 2
+    ),
+    "cp2_headtail": toml_spec("cp2.toml", 2, HEADTAIL),
+    "cp2_none": toml_spec(
+        "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
+    ),
+    "cp4_ptrr": toml_spec("cp4.toml", 4),
+    "tp2_cp2_sp": toml_spec("tp2_cp2_sp.toml", 4),
+    "tp2_cp2_sp_typechecked": _typechecked("tp2_cp2_sp_typechecked", 4),
+    "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
+    "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),
+    "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),
+}
+NON_CP_JOBS = {
+    "pp2": toml_spec("pp2.toml", 2),
+    "tp2_pp2_sp": toml_spec("tp2_pp2_sp.toml", 4),
+}
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> dict[str, ParityResult]:
+    """The packed suite: control, every CP job, its non-CP baselines, the bugs."""
+    tests = {
+        # The control is held to the tight bounds below, not by the suite.
+        CONTROL: ParityCase(
+            toml_spec("tp2_sp.toml", 2), loss_tol=LOSS_TOL, grad_norm_tol=GRAD_NORM_TOL
+        ),
+        **{
+            name: ParityCase(spec, control=CONTROL)
+            for name, spec in NON_CP_JOBS.items()
+        },
+        **{name: ParityCase(spec, control=CONTROL) for name, spec in CP_JOBS.items()},
+        **{f"planted_{bug}": _planted(bug) for bug in PLANTED_BUGS},
+    }
+    return run_suite(
+        tmp_path_factory.mktemp("parity"),
+        "packed",
+        toml_spec("packed.toml", 1),
+        tests,
+        **CP_BOUNDS,
+    )
+
+
+def _control_tolerances(packed: dict[str, ParityResult]):
+    return per_step_tolerances(
+        loss_tol=CP_BOUNDS["loss_tol"],
+        grad_norm_tol=CP_BOUNDS["grad_norm_tol"],
+        steps=STEPS,
+        tight_steps=CP_BOUNDS["tight_steps"],
+        control=packed[CONTROL].rows,
+        control_factor=CP_BOUNDS["control_factor"],
+    )
+
+
+def test_the_control_is_one_rank_reordered(packed):
+    """TP2+SP: tight over steps 1-2, the shared tolerances after, same moments."""
+    control = packed[CONTROL]
+    tight = CP_BOUNDS["tight_steps"]
+    steps = range(1, STEPS + 1)
+    early_and_late = compare(
+        control.baseline,
+        control.test,
+        loss_tol={s: CP_BOUNDS["loss_tol"] if s <= tight else LOSS_TOL for s in steps},
+        grad_norm_tol={
+            s: CP_BOUNDS["grad_norm_tol"] if s <= tight else GRAD_NORM_TOL
+            for s in steps
+        },
+        expected_steps=STEPS,
+    )
+    print(f"packed/{CONTROL}: {maxima(control)}, {moments_line(control)}")
+    assert early_and_late.passed, early_and_late.failures
+    assert control.passed, control.failures
+
+
+@pytest.mark.parametrize("name", [*NON_CP_JOBS, *CP_JOBS])
+def test_matches_one_rank(packed, name):
+    """Each job vs 1 rank: per-step bounds and every first moment."""
+    result = packed[name]
+    print(f"packed/{name}: {maxima(result)}, {moments_line(result)}")
+    assert result.passed, result.failures
+    assert len(result.rows) == STEPS
+
+
+@pytest.mark.parametrize(("name", "baseline"), SHARPEST.items())
+def test_matches_its_sharpest_baseline(packed, name, baseline):
+    """Each CP job vs the same job without CP, by the same bounds and moments."""
+    loss_tol, grad_norm_tol = _control_tolerances(packed)
+    pair = compare(
+        packed[baseline].test,
+        packed[name].test,
+        loss_tol=loss_tol,
+        grad_norm_tol=grad_norm_tol,
+        expected_steps=STEPS,
+    )
+    moments = compare_first_moments(
+        packed[baseline].checkpoint,
+        packed[name].checkpoint,
+        tol=CP_BOUNDS["moment_tol"],
+    )
+    print(
+        f"packed/{baseline} vs {name}: {maxima(pair)}, "
+        f"first moments max {moments.max_error:.3e}"
+    )
+    assert pair.passed, pair.failures
+    assert moments.passed, moments.failures
+
+
+@pytest.mark.parametrize("bug", PLANTED_BUGS)
+def test_planted_bug_is_flagged(packed, bug):
+    """The bounds (or, for the k/v all-gather, the run itself) catch each bug."""
+    result = packed[f"planted_{bug}"]
+    print(f"packed/planted_{bug}: {maxima(result)}, {moments_line(result)}")
+    assert not result.passed
+    if bug == "vision_kv_all_gathered_over_cp":
+        # Doubled keys overrun the vision block mask: this bug cannot train.
+        log = result.runs[-1].log_path
+        assert "block_mask was created for a smaller length" in open(log).read()
+        return
+    by_bounds = [
+        f for f in result.failures if "_tol " in f or f.startswith("first moment")
+    ]
+    assert by_bounds, result.failures
+    assert not any(" run failed " in f for f in result.failures), result.failures
+
+
+def test_fsdp2_vs_fsdp2_cp2(tmp_path):
+    """FSDP2 x CP2 vs FSDP2 (2 data ranks), FSDP2 with 2 microbatches the control."""
+    results = run_suite(
+        tmp_path,
+        "fsdp2",
+        toml_spec("fsdp2.toml", 2),
+        {
+            "grad_accum_control": ParityCase(
+                toml_spec(
+                    "fsdp2.toml",
+                    2,
+                    "--training.local_batch_size 1 --training.global_batch_size 4",
+                ),
+                loss_tol=LOSS_TOL,
+                grad_norm_tol=GRAD_NORM_TOL,
+            ),
+            "fsdp2_cp2": ParityCase(
+                toml_spec("fsdp2_cp2.toml", 4), control="grad_accum_control"
+            ),
+        },
+        **CP_BOUNDS,
+    )
+    for name, result in results.items():
+        print(f"fsdp2/{name}: {maxima(result)}, {moments_line(result)}")
+    failed = {name: r.failures for name, r in results.items() if not r.passed}
+    assert not failed, failed

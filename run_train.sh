@@ -6,7 +6,7 @@
 #   LOG_RANK       ranks whose output is shown, e.g. 0,1 (default 0)
 #   CONFIG_FILE    a TOML job file, e.g. train_configs/cp2.toml
 #   MODULE/CONFIG  a registry module and function instead of CONFIG_FILE
-#                  (default torchtitan_ext.muse_glimmer / muse_glimmer_debugmodel_mm)
+#                  (default torchtitan_ext.muse_glimmer / muse_glimmer_debugmodel_mm_quickstart)
 #   TRAIN_FILE     the entry module (default torchtitan_ext.train), as upstream
 #   NNODES         number of nodes (default 1); with NNODES > 1 also set
 #   NODE_RANK      this node's rank, 0..NNODES-1, and
@@ -28,7 +28,7 @@ if [[ -n "${CONFIG_FILE:-}" ]]; then
     job_args=(--job.config_file "$CONFIG_FILE")
 else
     job_args=(--module "${MODULE:-torchtitan_ext.muse_glimmer}"
-              --config "${CONFIG:-muse_glimmer_debugmodel_mm}")
+              --config "${CONFIG:-muse_glimmer_debugmodel_mm_quickstart}")
 fi
 
 # torchrun gives each rank one OpenMP thread only when a node runs several;

@@ -13,6 +13,7 @@ TRAIN_CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 # file -> (ranks, packed, cp, tp, dp_shard, pp)
 EXPECTED = {
     "default.toml": (1, False, 1, 1, -1, 1),
+    "quickstart.toml": (1, False, 1, 1, -1, 1),
     "fsdp2_unpacked.toml": (2, False, 1, 1, 2, 1),
     "tp2_sp_unpacked.toml": (2, False, 1, 2, -1, 1),
     "pp2_unpacked.toml": (2, False, 1, 1, -1, 2),

@@ -80,6 +80,10 @@ class ParityCase:
     control_factor: float | None = None
 
 
+# Everything of a ParityCase but its spec: what a test inherits from its suite.
+_SETTING_FIELDS = tuple(f for f in dataclasses.fields(ParityCase) if f.name != "spec")
+
+
 @dataclass(kw_only=True, slots=True)
 class ParityResult:
     """Everything a caller needs to judge, and to find, one comparison.
@@ -105,46 +109,39 @@ class ParityResult:
     checkpoint: Path | None = None
 
 
-@dataclass(kw_only=True, slots=True)
-class _Settings:
-    """A test's resolved settings: its own where given, else the suite's."""
-
-    exact: bool
-    loss_tol: float
-    grad_norm_tol: float
-    moment_tol: float | None
-    steps: int
-    tight_steps: int | None
-    control: str | None
-    control_factor: float
-
-    def describe(self) -> str:
-        if self.exact:
-            return "exact"
-        text = f"loss_tol={self.loss_tol:g}, grad_norm_tol={self.grad_norm_tol:g}"
-        if self.tight_steps is not None and self.control is not None:
-            text += (
-                f" over steps 1..{self.tight_steps}, then {self.control_factor:g} x "
-                f"{self.control}'s running max"
-            )
-        if self.moment_tol is not None:
-            text += f", first moments {self.moment_tol:g}"
-        return text
-
-    def step_tolerances(
-        self, control_rows: list[StepRow] | None
-    ) -> tuple[Tolerance, Tolerance]:
-        """The tight bounds at every step, or per step from the control."""
-        if self.tight_steps is None or self.control is None:
-            return self.loss_tol, self.grad_norm_tol
-        return per_step_tolerances(
-            loss_tol=self.loss_tol,
-            grad_norm_tol=self.grad_norm_tol,
-            steps=self.steps,
-            tight_steps=self.tight_steps,
-            control=control_rows or [],
-            control_factor=self.control_factor,
+def _describe(case: ParityCase) -> str:
+    """A resolved case's bounds, for the verdict line."""
+    if case.exact:
+        return "exact"
+    text = f"loss_tol={case.loss_tol:g}, grad_norm_tol={case.grad_norm_tol:g}"
+    if case.tight_steps is not None and case.control is not None:
+        text += (
+            f" over steps 1..{case.tight_steps}, then {case.control_factor:g} x "
+            f"{case.control}'s running max"
         )
+    if case.moment_tol is not None:
+        text += f", first moments {case.moment_tol:g}"
+    return text
+
+
+def _step_tolerances(
+    case: ParityCase, control_rows: list[StepRow] | None
+) -> tuple[Tolerance, Tolerance]:
+    """A resolved case's tight bounds at every step, or per step from its control."""
+    if case.tight_steps is None or case.control is None:
+        return case.loss_tol, case.grad_norm_tol
+    return per_step_tolerances(
+        loss_tol=case.loss_tol,
+        grad_norm_tol=case.grad_norm_tol,
+        steps=case.steps,
+        tight_steps=case.tight_steps,
+        control=control_rows or [],
+        control_factor=case.control_factor,
+    )
+
+
+def _settings(case: ParityCase) -> dict[str, Any]:
+    return {f.name: getattr(case, f.name) for f in _SETTING_FIELDS}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,14 +177,13 @@ class _Baseline:
     wall_s: float
 
 
-def _suite_settings(
-    tests: Mapping[str, RunSpec | ParityCase], defaults: _Settings
-) -> tuple[dict[str, ParityCase], dict[str, _Settings]]:
-    """The suite's tests and their resolved settings, checked before any run."""
+def _resolve_cases(
+    tests: Mapping[str, RunSpec | ParityCase], suite: ParityCase
+) -> dict[str, ParityCase]:
+    """Every test as a ParityCase with the suite's values filled in, checked."""
     if not tests:
         raise ValueError("a parity suite needs at least one test")
     cases: dict[str, ParityCase] = {}
-    settings: dict[str, _Settings] = {}
     for name, value in tests.items():
         if not isinstance(name, str) or not _TEST_NAME.fullmatch(name):
             raise ValueError(
@@ -203,32 +199,30 @@ def _suite_settings(
                 f"test {name!r}: expected a RunSpec or ParityCase, "
                 f"got {type(value).__name__}"
             )
-        own = {
-            f.name: getattr(value, f.name)
-            for f in dataclasses.fields(ParityCase)
-            if f.name != "spec" and getattr(value, f.name) is not None
+        inherited = {
+            f.name: getattr(suite, f.name)
+            for f in _SETTING_FIELDS
+            if getattr(value, f.name) is None
         }
-        resolved = dataclasses.replace(defaults, **own)
-        if not 1 <= resolved.steps <= defaults.steps:
+        case = dataclasses.replace(value, **inherited)
+        if not 1 <= case.steps <= suite.steps:
             raise ValueError(
-                f"test {name!r}: steps={resolved.steps} must be in 1..{defaults.steps} "
+                f"test {name!r}: steps={case.steps} must be in 1..{suite.steps} "
                 "(the baseline's steps)"
             )
-        if resolved.control is not None:
-            if resolved.control not in cases:
+        if case.control is not None:
+            if case.control not in cases:
                 raise ValueError(
-                    f"test {name!r}: control {resolved.control!r} must be an earlier "
+                    f"test {name!r}: control {case.control!r} must be an earlier "
                     f"test of the suite; earlier tests: {list(cases)}"
                 )
-            if settings[resolved.control].steps < resolved.steps:
+            if cases[case.control].steps < case.steps:
                 raise ValueError(
-                    f"test {name!r}: its control {resolved.control!r} trains "
-                    f"{settings[resolved.control].steps} steps, fewer than its "
-                    f"{resolved.steps}"
+                    f"test {name!r}: its control {case.control!r} trains "
+                    f"{cases[case.control].steps} steps, fewer than its {case.steps}"
                 )
-        cases[name] = value
-        settings[name] = resolved
-    return cases, settings
+        cases[name] = case
+    return cases
 
 
 def _start(
@@ -394,8 +388,7 @@ def _run_test(
     s: _Session,
     base: _Baseline,
     name: str,
-    spec: RunSpec,
-    settings: _Settings,
+    case: ParityCase,
     control: "ParityResult | None",
 ) -> ParityResult:
     """Train one test (unless the baseline failed), compare it, write its report."""
@@ -404,27 +397,27 @@ def _run_test(
     runs = list(base.runs)
     scalars: RunScalars | None = None
     if not failures:
-        record, scalars, run_failures = _train(s, name, spec, settings.steps)
+        record, scalars, run_failures = _train(s, name, case.spec, case.steps)
         runs.append(record)
         failures.extend(run_failures)
-    if settings.control is not None and (control is None or not control.rows):
+    if case.control is not None and (control is None or not control.rows):
         failures.append(
-            f"control {settings.control!r} has no comparison to bound the steps "
-            f"after {settings.tight_steps}"
+            f"control {case.control!r} has no comparison to bound the steps "
+            f"after {case.tight_steps}"
         )
 
     comparison: Comparison | None = None
     if not failures and base.scalars is not None and scalars is not None:
-        loss_tol, grad_norm_tol = settings.step_tolerances(
-            control.rows if control else None
+        loss_tol, grad_norm_tol = _step_tolerances(
+            case, control.rows if control else None
         )
         comparison = compare(
-            _first_steps(base.scalars, settings.steps),
+            _first_steps(base.scalars, case.steps),
             scalars,
             loss_tol=loss_tol,
             grad_norm_tol=grad_norm_tol,
-            exact=settings.exact,
-            expected_steps=settings.steps,
+            exact=case.exact,
+            expected_steps=case.steps,
         )
         failures.extend(comparison.failures)
         print(f"[parity] baseline vs {name}:\n{format_table(comparison)}", flush=True)
@@ -434,13 +427,13 @@ def _run_test(
         moments = compare_first_moments(
             s.checkpoint_path("baseline"),
             s.checkpoint_path(name),
-            tol=math.inf if settings.moment_tol is None else settings.moment_tol,
+            tol=math.inf if case.moment_tol is None else case.moment_tol,
         )
         failures.extend(moments.failures)
         print(
             f"[parity] {name}: first moments after step {s.moment_step}: max "
             f"relative error {_fmt(moments.max_error)} over {len(moments.errors)} "
-            f"tensors (bound {_fmt(settings.moment_tol)})",
+            f"tensors (bound {_fmt(case.moment_tol)})",
             flush=True,
         )
 
@@ -458,18 +451,13 @@ def _run_test(
         "name": name,
         "passed": passed,
         "failures": failures,
-        **{
-            key: value
-            for key, value in dataclasses.asdict(settings).items()
-            if key != "steps"
-        },
-        "steps": settings.steps,
+        **_settings(case),
         "tags": {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG},
         "max_dloss": comparison.max_dloss if comparison else None,
         "max_dgrad_norm": comparison.max_dgrad_norm if comparison else None,
         "moments": ({"step": s.moment_step, **moments.summary()} if moments else None),
         "baseline": dataclasses.asdict(base.spec),
-        "test": dataclasses.asdict(spec),
+        "test": dataclasses.asdict(case.spec),
         "seed_options": s.seed_options if s.seed_checkpoint else None,
         "keep_mixed_precision": s.keep_mixed_precision,
         "runs": [_run_record_json(r) for r in runs],
@@ -482,7 +470,7 @@ def _run_test(
 
     verdict = "PASSED" if passed else "FAILED"
     print(
-        f"[parity] {name}: {verdict} ({settings.describe()}); summary: {json_path}",
+        f"[parity] {name}: {verdict} ({_describe(case)}); summary: {json_path}",
         flush=True,
     )
     for failure in failures:
@@ -560,19 +548,19 @@ def run_parity_suite(
     and every result fails with that reason; a failing test does not stop
     the others. Nothing raises for a failed run: see each result's ``passed``.
     """
-    defaults = _Settings(
+    suite = ParityCase(
+        RunSpec(),
         exact=exact,
         loss_tol=loss_tol,
         grad_norm_tol=grad_norm_tol,
         moment_tol=moment_tol,
         steps=steps,
         tight_steps=tight_steps,
-        control=None,
         control_factor=control_factor,
     )
-    cases, settings = _suite_settings(tests, defaults)
+    cases = _resolve_cases(tests, suite)
     if moment_step is not None:
-        short = [n for n, c in settings.items() if c.steps < moment_step]
+        short = [n for n, c in cases.items() if c.steps < moment_step]
         if short:
             raise ValueError(f"tests {short} stop before moment_step={moment_step}")
     suite_start = time.monotonic()
@@ -590,10 +578,7 @@ def run_parity_suite(
     base = _run_baseline(s, baseline)
     results: dict[str, ParityResult] = {}
     for name, case in cases.items():
-        control = settings[name].control
-        results[name] = _run_test(
-            s, base, name, case.spec, settings[name], results.get(control)
-        )
+        results[name] = _run_test(s, base, name, case, results.get(case.control))
 
     summary = {
         "passed": all(r.passed for r in results.values()),
@@ -610,7 +595,7 @@ def run_parity_suite(
                 "max_dloss": r.max_dloss,
                 "max_dgrad_norm": r.max_dgrad_norm,
                 "max_moment_error": r.moments.max_error if r.moments else None,
-                **dataclasses.asdict(settings[name]),
+                **_settings(cases[name]),
                 "failures": r.failures,
                 "test": dataclasses.asdict(cases[name].spec),
                 "wall_s": r.runs[-1].wall_s if len(r.runs) > len(base.runs) else None,

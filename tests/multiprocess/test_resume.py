@@ -24,11 +24,15 @@ from torchtitan_ext.tools.parity import (
     RUN_TRAIN,
     RunRecord,
     RunScalars,
+    compare,
+    compare_first_moments,
     launch_run,
+    per_step_tolerances,
     read_tb_scalars,
 )
 
 from ..parity_suites import (
+    CP_BOUNDS,
     GRAD_NORM_TOL,
     LOSS_TOL,
     PACKED,
@@ -39,7 +43,8 @@ from ..parity_suites import (
 )
 from ..training_runs import checkpoint_path, checkpoint_tensors, run_job
 
-SAVE_STEP = STEPS // 2
+# The first moments are compared after this step (``CP_BOUNDS``'s moment step).
+SAVE_STEP = CP_BOUNDS["moment_step"]
 RESUMED_STEPS = list(range(SAVE_STEP + 1, STEPS + 1))
 # A rank's death must end the job well within the collectives' timeout.
 TRAIN_TIMEOUT_S = 120
@@ -50,6 +55,10 @@ JOBS = {
     "tp2_sp": toml_spec("tp2_sp.toml", 2),
     "fsdp2": toml_spec("fsdp2.toml", 2),
     "fsdp2_cp2": toml_spec("fsdp2_cp2.toml", 4),
+    # FSDP2 with two accumulated microbatches per rank: FSDP2xCP2's control.
+    "fsdp2_grad_accum": toml_spec(
+        "fsdp2.toml", 2, "--training.local_batch_size 1 --training.global_batch_size 4"
+    ),
     "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),
 }
 _TRAIN_ARGS = [
@@ -169,6 +178,50 @@ def test_uninterrupted_plugin_is_bitwise_upstream(runs):
     """
     got, want = (_scalars(runs.uninterrupted(job)) for job in ("upstream", "1rank"))
     _assert_bitwise(got, want, list(range(1, STEPS + 1)))
+
+
+def test_fsdp2_cp2_matches_fsdp2(runs):
+    """FSDP2 x CP2 vs FSDP2 (two data ranks) by the CP suites' bounds.
+
+    On the runs resumed from; the late steps are bounded by FSDP2 with two
+    accumulated microbatches, the same math reordered.
+    """
+    fsdp2 = _scalars(runs.uninterrupted("fsdp2"))
+    control = compare(
+        fsdp2,
+        _scalars(runs.uninterrupted("fsdp2_grad_accum")),
+        loss_tol=LOSS_TOL,
+        grad_norm_tol=GRAD_NORM_TOL,
+        expected_steps=STEPS,
+    )
+    assert control.passed, control.failures
+    loss_tol, grad_norm_tol = per_step_tolerances(
+        loss_tol=CP_BOUNDS["loss_tol"],
+        grad_norm_tol=CP_BOUNDS["grad_norm_tol"],
+        steps=STEPS,
+        tight_steps=CP_BOUNDS["tight_steps"],
+        control=control.rows,
+        control_factor=CP_BOUNDS["control_factor"],
+    )
+    pair = compare(
+        fsdp2,
+        _scalars(runs.uninterrupted("fsdp2_cp2")),
+        loss_tol=loss_tol,
+        grad_norm_tol=grad_norm_tol,
+        expected_steps=STEPS,
+    )
+    moments = compare_first_moments(
+        checkpoint_path(runs.uninterrupted("fsdp2"), SAVE_STEP),
+        checkpoint_path(runs.uninterrupted("fsdp2_cp2"), SAVE_STEP),
+        tol=CP_BOUNDS["moment_tol"],
+    )
+    print(
+        f"fsdp2 vs fsdp2_cp2: max|dloss|={pair.max_dloss:.3e} "
+        f"max|dgrad_norm|={pair.max_dgrad_norm:.3e}, first moments max "
+        f"{moments.max_error:.3e}; control max|dgrad_norm|={control.max_dgrad_norm:.3e}"
+    )
+    assert pair.passed, pair.failures
+    assert moments.passed, moments.failures
 
 
 def test_tp2_cp2_pp2_sp_resumes_bitwise(runs):

@@ -6,6 +6,7 @@ them. The first moment after step ``n`` is a decayed sum of the first ``n``
 gradients, and DCP stores it per parameter at any world size.
 """
 
+import functools
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -28,7 +29,10 @@ def _flatten(value, prefix: str, out: dict[str, torch.Tensor]) -> None:
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A DCP checkpoint (any world size) as ``{dotted.key: tensor}`` on one process."""
+    """A DCP checkpoint (any world size) as ``{dotted.key: tensor}`` on one process.
+
+    Not cached: the caller may compare checkpoints it rewrites.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "state.pt")
         state = torch.load(Path(tmp) / "state.pt", weights_only=False)
@@ -68,6 +72,14 @@ class MomentComparison:
         }
 
 
+@functools.lru_cache(maxsize=8)
+def _first_moments(path: Path) -> dict[str, torch.Tensor]:
+    """The first moments of a finished run's checkpoint; a suite's baseline is
+    read once for all its tests."""
+    tensors = checkpoint_tensors(path)
+    return {k: v for k, v in tensors.items() if k.endswith(_FIRST_MOMENT)}
+
+
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.double(), ref.double()
     error = (got - ref).abs().max().item()
@@ -86,14 +98,14 @@ def compare_first_moments(
     same for large and small parameters; a non-finite moment, a moment present
     on one side only, or no moment at all fails.
     """
-    ref = checkpoint_tensors(baseline_checkpoint)
-    got = checkpoint_tensors(test_checkpoint)
-    keys = sorted(key for key in ref if key.endswith(_FIRST_MOMENT))
+    ref = _first_moments(baseline_checkpoint)
+    got = _first_moments(test_checkpoint)
+    keys = sorted(ref)
     failures: list[str] = []
     if not keys:
         failures.append(f"no first moments ({_FIRST_MOMENT}) in {baseline_checkpoint}")
     missing = sorted(set(keys) - set(got))
-    extra = sorted(k for k in got if k.endswith(_FIRST_MOMENT) and k not in ref)
+    extra = sorted(k for k in got if k not in ref)
     if missing or extra:
         failures.append(
             f"first moments differ in keys: only in baseline {missing[:5]}, "

@@ -320,10 +320,14 @@ def _train(
         # Load the seed, never save: nothing but the scalars is compared.
         checkpointing = ["--checkpoint.load_only"]
     else:
+        # Full state after moment_step; the last step's save is the model only,
+        # unless it is that step.
         checkpointing = [
             f"--checkpoint.folder={_SEED_CKPT_FOLDER}",
             f"--checkpoint.interval={s.moment_step}",
-            "--checkpoint.no-last_save_model_only",
+            "--checkpoint.no-last_save_model_only"
+            if steps == s.moment_step
+            else "--checkpoint.last_save_model_only",
         ]
     argv = [
         s.run_train,

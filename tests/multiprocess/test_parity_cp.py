@@ -62,7 +62,6 @@ def _planted(bug: str) -> ParityCase:
 
 # Sharpest baseline of each CP job, when it is not the 1-rank run.
 SHARPEST = {
-    "tp2_cp2_sp": "tp2_sp",
     "tp2_cp2_sp_typechecked": "tp2_sp",
     "cp2_pp2": "pp2",
     "cp2_pp2_interleaved": "pp2",
@@ -75,7 +74,6 @@ CP_JOBS = {
         "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
     ),
     "cp4_ptrr": toml_spec("cp4.toml", 4),
-    "tp2_cp2_sp": toml_spec("tp2_cp2_sp.toml", 4),
     "tp2_cp2_sp_typechecked": _typechecked("tp2_cp2_sp_typechecked", 4),
     "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
     "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),

@@ -17,7 +17,13 @@ the grad norm by 1.5e-4 and a first moment by 0.75 of its tensor's scale.
 import os
 from pathlib import Path
 
-from torchtitan_ext.tools.parity import ParityResult, RunSpec, run_parity_suite
+from torchtitan_ext.tools.parity import (
+    ParityResult,
+    RunSpec,
+    StepRow,
+    per_step_tolerances,
+    run_parity_suite,
+)
 
 from .training_runs import REPO
 
@@ -31,6 +37,7 @@ __all__ = [
     "UNPACKED",
     "upstream_data_options",
     "assert_passed",
+    "cp_step_tolerances",
     "maxima",
     "moments_line",
     "output_dir",
@@ -133,3 +140,15 @@ def moments_line(result: ParityResult) -> str:
     if moments is None or moments.max_error is None:
         return "no first moments"
     return f"first moments max {moments.max_error:.3e}"
+
+
+def cp_step_tolerances(control: list[StepRow]):
+    """``CP_BOUNDS`` per step over ``STEPS`` steps, late steps from ``control``."""
+    return per_step_tolerances(
+        loss_tol=CP_BOUNDS["loss_tol"],
+        grad_norm_tol=CP_BOUNDS["grad_norm_tol"],
+        steps=STEPS,
+        tight_steps=CP_BOUNDS["tight_steps"],
+        control=control,
+        control_factor=CP_BOUNDS["control_factor"],
+    )

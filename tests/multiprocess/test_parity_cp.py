@@ -20,7 +20,6 @@ from torchtitan_ext.tools.parity import (
     RunSpec,
     compare,
     compare_first_moments,
-    per_step_tolerances,
 )
 
 from ..parity_suites import (
@@ -28,6 +27,7 @@ from ..parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     STEPS,
+    cp_step_tolerances,
     maxima,
     moments_line,
     run_suite,
@@ -109,17 +109,6 @@ def packed(tmp_path_factory) -> dict[str, ParityResult]:
     )
 
 
-def _control_tolerances(packed: dict[str, ParityResult]):
-    return per_step_tolerances(
-        loss_tol=CP_BOUNDS["loss_tol"],
-        grad_norm_tol=CP_BOUNDS["grad_norm_tol"],
-        steps=STEPS,
-        tight_steps=CP_BOUNDS["tight_steps"],
-        control=packed[CONTROL].rows,
-        control_factor=CP_BOUNDS["control_factor"],
-    )
-
-
 def test_the_control_is_one_rank_reordered(packed):
     """TP2+SP: tight over steps 1-2, the shared tolerances after, same moments."""
     control = packed[CONTROL]
@@ -154,7 +143,7 @@ def test_matches_its_sharpest_baseline(packed, name, baseline):
     """Each CP job vs the same job without CP, by the same bounds and moments."""
     for run in (baseline, name):
         assert packed[run].test is not None, (run, packed[run].failures)
-    loss_tol, grad_norm_tol = _control_tolerances(packed)
+    loss_tol, grad_norm_tol = cp_step_tolerances(packed[CONTROL].rows)
     pair = compare(
         packed[baseline].test,
         packed[name].test,

@@ -27,7 +27,6 @@ from torchtitan_ext.tools.parity import (
     compare,
     compare_first_moments,
     launch_run,
-    per_step_tolerances,
     read_tb_scalars,
 )
 
@@ -38,6 +37,7 @@ from ..parity_suites import (
     PACKED,
     STEPS,
     TIMEOUT_S,
+    cp_step_tolerances,
     toml_spec,
     upstream_spec,
 )
@@ -195,14 +195,7 @@ def test_fsdp2_cp2_matches_fsdp2(runs):
         expected_steps=STEPS,
     )
     assert control.passed, control.failures
-    loss_tol, grad_norm_tol = per_step_tolerances(
-        loss_tol=CP_BOUNDS["loss_tol"],
-        grad_norm_tol=CP_BOUNDS["grad_norm_tol"],
-        steps=STEPS,
-        tight_steps=CP_BOUNDS["tight_steps"],
-        control=control.rows,
-        control_factor=CP_BOUNDS["control_factor"],
-    )
+    loss_tol, grad_norm_tol = cp_step_tolerances(control.rows)
     pair = compare(
         fsdp2,
         _scalars(runs.uninterrupted("fsdp2_cp2")),

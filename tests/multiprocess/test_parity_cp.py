@@ -40,7 +40,7 @@ CONTROL = "tp2_sp"
 HEADTAIL = "--parallelism.context_parallel_load_balancer headtail"
 
 
-def _typechecked(job: str, ngpu: int) -> RunSpec:
+def _registry_job(job: str, ngpu: int) -> RunSpec:
     """A registry job ``muse_glimmer_debugmodel_mm_<job>`` (no TOML file)."""
     return RunSpec(
         module="torchtitan_ext.muse_glimmer",
@@ -68,13 +68,13 @@ SHARPEST = {
     "tp2_cp2_pp2_sp": "tp2_pp2_sp",
 }
 CP_JOBS = {
-    "cp2_ptrr_typechecked": _typechecked("cp2_typechecked", 2),
+    "cp2_ptrr_typechecked": _registry_job("cp2_typechecked", 2),
     "cp2_headtail": toml_spec("cp2.toml", 2, HEADTAIL),
     "cp2_none": toml_spec(
         "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
     ),
     "cp4_ptrr": toml_spec("cp4.toml", 4),
-    "tp2_cp2_sp_typechecked": _typechecked("tp2_cp2_sp_typechecked", 4),
+    "tp2_cp2_sp_typechecked": _registry_job("tp2_cp2_sp_typechecked", 4),
     "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
     "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),
     "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),

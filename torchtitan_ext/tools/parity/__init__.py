@@ -23,8 +23,9 @@ How a comparison is made:
 Modules: ``scalars`` (TensorBoard), ``compare`` (the verdict), ``launch``
 (one ``run_train.sh`` command), ``report`` (JSON, plot), ``suite`` (the
 engine: one seed and baseline, many tests; a single comparison is a suite of
-one), ``__main__`` (the CLI). Nothing here imports torch or torchtitan:
-training happens in subprocesses started through ``run_train.sh``.
+one), ``__main__`` (the CLI). Nothing here imports torchtitan: training
+happens in subprocesses started through ``run_train.sh``; torch only reads
+the checkpoints whose first moments are compared.
 """
 
 from .compare import (

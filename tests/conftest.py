@@ -1,5 +1,7 @@
 """Switch torchtitan to the CPU backend before any test imports it; shared fixtures."""
 
+from pathlib import Path
+
 import pytest
 
 from torchtitan_ext import cpu_backend
@@ -22,3 +24,29 @@ def embedded_assets() -> EmbeddedAssets:
 def no_image_assets() -> EmbeddedAssets:
     """The OBELICS-layout variant in which some samples have no image."""
     return ensure_embedded_assets(variant="some_without_image")
+
+
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory, embedded_assets) -> Path:
+    """The debug model's initial weights, made once (1 rank, ``--debug.seed=42``).
+
+    Every parity suite, resume run and probe of the debug model starts from
+    it: the weights depend on the model and the seed only, not on the job's
+    data, packing or parallelism (upstream and plug-in jobs alike).
+    """
+    from .training_runs import checkpoint_path, run_train
+
+    dump = run_train(
+        tmp_path_factory.mktemp("seed"),
+        "seed",
+        1,
+        "packed.toml",
+        [
+            "--debug.deterministic",
+            "--debug.seed=42",
+            "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint",
+        ],
+        timeout_s=1200,
+    )
+    return checkpoint_path(dump, 0)

@@ -1,6 +1,6 @@
 """Shared settings and helpers of the parity test files.
 
-Each suite trains one baseline from a seed checkpoint and compares each test
+Each suite trains one baseline from the session's seed checkpoint and compares each test
 run to it (fp32 parameters, deterministic, 10 steps by default; set
 ``TORCHTITAN_EXT_PARITY_STEPS`` to change). ``TORCHTITAN_EXT_PARITY_OUT`` keeps
 the runs, tables, JSON and plots in that folder instead of a temporary one.
@@ -109,10 +109,17 @@ def maxima(result) -> str:
 
 
 def run_suite(
-    tmp_path: Path, suite: str, baseline: RunSpec, tests: dict, **kwargs
+    tmp_path: Path,
+    suite: str,
+    baseline: RunSpec,
+    tests: dict,
+    *,
+    seed_checkpoint: Path,
+    **kwargs,
 ) -> dict[str, ParityResult]:
     """``run_parity_suite`` at the suite settings above; prints every result.
 
+    Every suite starts from the session's one ``seed_checkpoint`` (conftest).
     ``kwargs`` override the shared tolerances (``**CP_BOUNDS`` for CP suites).
     """
     settings = {"loss_tol": LOSS_TOL, "grad_norm_tol": GRAD_NORM_TOL, **kwargs}
@@ -120,6 +127,7 @@ def run_suite(
         baseline,
         tests,
         steps=STEPS,
+        seed_checkpoint=seed_checkpoint,
         output_dir=output_dir(tmp_path, suite),
         timeout=TIMEOUT_S,
         **settings,

@@ -10,7 +10,12 @@ every parameter's first moment after step 2. Four bugs a CP change could
 ship are planted in runs of the same suite (``tests/planted_bugs.py``); each
 must be flagged. FSDP2xCP2 is compared with FSDP2 in ``test_resume.py``, on
 the runs it resumes from: two data ranks read other samples than one rank.
+TP2xCP2xPP2+SP's resume is checked here, on its suite run (8 ranks are the
+costliest run of CI).
 """
+
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +25,8 @@ from torchtitan_ext.tools.parity import (
     RunSpec,
     compare,
     compare_first_moments,
+    launch_run,
+    read_tb_scalars,
 )
 
 from ..parity_suites import (
@@ -27,6 +34,7 @@ from ..parity_suites import (
     GRAD_NORM_TOL,
     LOSS_TOL,
     STEPS,
+    TIMEOUT_S,
     cp_step_tolerances,
     maxima,
     moments_line,
@@ -86,7 +94,7 @@ NON_CP_JOBS = {
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> dict[str, ParityResult]:
+def packed(tmp_path_factory, seed_checkpoint) -> dict[str, ParityResult]:
     """The packed suite: control, every CP job, its non-CP baselines, the bugs."""
     tests = {
         # The control is held to the tight bounds below, not by the suite.
@@ -105,6 +113,7 @@ def packed(tmp_path_factory) -> dict[str, ParityResult]:
         "packed",
         toml_spec("packed.toml", 1),
         tests,
+        seed_checkpoint=seed_checkpoint,
         **CP_BOUNDS,
     )
 
@@ -180,3 +189,40 @@ def test_planted_bug_is_flagged(packed, bug):
     ]
     assert by_bounds, result.failures
     assert not any(" run failed " in f for f in result.failures), result.failures
+
+
+def test_tp2_cp2_pp2_sp_resumes_bitwise(packed, tmp_path):
+    """The job's own resume path: its full step-2 checkpoint, the same command.
+
+    The suite's run saved its whole state after the moment step; the same
+    command in a folder holding only that checkpoint must load it (not the
+    seed) and train the remaining steps bitwise as the uninterrupted run.
+    """
+    run = packed["tp2_cp2_pp2_sp"]
+    assert run.test is not None and run.checkpoint is not None, run.failures
+    uninterrupted = run.runs[-1]
+    dump = tmp_path / "tp2_cp2_pp2_sp_resumed"
+    saved = run.checkpoint
+    shutil.copytree(saved, dump / saved.parent.name / saved.name)
+    argv = [
+        f"--dump_folder={dump}" if arg.startswith("--dump_folder=") else arg
+        for arg in uninterrupted.argv
+    ]
+    record = launch_run(
+        dump.name,
+        uninterrupted.job_env,
+        argv,
+        tmp_path / f"{dump.name}.log",
+        timeout=TIMEOUT_S,
+        echo=False,
+    )
+    assert record.ok, record.failure()
+    log = Path(record.log_path).read_text()
+    assert f"Loading the checkpoint from {dump / saved.parent.name / saved.name}" in log
+    (tb_folder,) = dump.glob("tb_*")
+    resumed = read_tb_scalars(tb_folder)
+    steps = list(range(CP_BOUNDS["moment_step"] + 1, STEPS + 1))
+    assert sorted(resumed.loss) == steps
+    got = [(resumed.loss[s], resumed.grad_norm[s]) for s in steps]
+    want = [(run.test.loss[s], run.test.grad_norm[s]) for s in steps]
+    assert got == want, (got, want)

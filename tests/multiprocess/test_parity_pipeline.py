@@ -1,7 +1,7 @@
 """Pipeline parallelism on rows, steps and data ranks without images.
 
-Settings as in ``parity_suites.py``: fp32 parameters, deterministic, one seed
-checkpoint per suite, packed sequences. Each pipeline step runs two
+Settings as in ``parity_suites.py``: fp32 parameters, deterministic, the session's one
+seed checkpoint, packed sequences. Each pipeline step runs two
 microbatches of one packed row (``local_batch_size`` 2, microbatch size 1), so
 the 1-rank baseline sees the same rows in the same step. The packed PP jobs
 with images (PP2, CP2xPP2, TP2xCP2xPP2+SP) are in ``test_parity_cp.py``.
@@ -61,7 +61,9 @@ def _images_per_row(assets, dp_world_size: int, dp_rank: int, rows: int) -> list
     return counts
 
 
-def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path, no_image_assets):
+def test_without_images_cp2_pp2_and_fsdp2_pp2(
+    tmp_path, no_image_assets, seed_checkpoint
+):
     """Rows, steps and DP ranks without images: no hang, same numbers.
 
     CP2xPP2 and TP2+CP2+SP (typechecked) are compared with 1 rank; FSDP2xPP2
@@ -90,11 +92,13 @@ def test_without_images_cp2_pp2_and_fsdp2_pp2(tmp_path, no_image_assets):
                 ngpu=4,
             ),
         },
+        seed_checkpoint=seed_checkpoint,
     )
     results |= run_suite(
         tmp_path,
         "without_images_fsdp2",
         toml_spec("fsdp2.toml", 2, no_image_data),
         {"fsdp2_pp2": toml_spec("fsdp2_pp2.toml", 4, no_image_data)},
+        seed_checkpoint=seed_checkpoint,
     )
     assert_passed(results)

@@ -7,19 +7,18 @@ suites are in ``test_parity_cp.py``; the upstream pair (1 rank) runs in
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.tools.parity import ParityCase, RunSpec, read_tb_scalars
+from torchtitan_ext.tools.parity import ParityCase, read_tb_scalars
 
 from ..parity_suites import (
+    STEPS,
     TIMEOUT_S,
     UNPACKED,
     assert_passed,
     run_suite,
     toml_spec,
-    upstream_data_options,
     upstream_spec,
 )
 from ..training_runs import REPO
@@ -34,13 +33,7 @@ CP2_PTRR = (
 )
 
 
-def _assert_suite(
-    tmp_path: Path, suite: str, baseline: RunSpec, tests: dict, **kwargs
-) -> None:
-    assert_passed(run_suite(tmp_path, suite, baseline, tests, **kwargs))
-
-
-def test_unpacked_one_rank_vs_cp2(tmp_path):
+def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
     """Packing off: 1 rank vs CP2 (ptrr), per parameter and over STEPS steps.
 
     Unpacked rows are mostly padding (about 46 label tokens per step), and the
@@ -71,6 +64,7 @@ def test_unpacked_one_rank_vs_cp2(tmp_path):
                 control="grad_accum_control",
             ),
         },
+        seed_checkpoint=seed_checkpoint,
         tight_steps=0,
         control_factor=1.0,
         moment_step=2,
@@ -95,19 +89,22 @@ def test_unpacked_one_rank_vs_cp2(tmp_path):
         ("tp2_sp_unpacked.toml", "--parallelism.tensor_parallel_degree 2"),
     ],
 )
-def test_plugin_is_bitwise_upstream(tmp_path, embedded_assets, toml, degree):
+def test_plugin_is_bitwise_upstream(
+    tmp_path, embedded_assets, seed_checkpoint, toml, degree
+):
     """The plug-in's non-CP job is torchtitan's own, bit for bit, on 2 ranks."""
-    _assert_suite(
+    results = run_suite(
         tmp_path,
         toml.removesuffix(".toml"),
         upstream_spec(embedded_assets, 2, f"{UNPACKED} {degree}"),
         {"plugin": toml_spec(toml, 2, UNPACKED)},
-        seed_options=upstream_data_options(embedded_assets),
+        seed_checkpoint=seed_checkpoint,
         exact=True,
     )
+    assert_passed(results)
 
 
-def test_pp2_trains_ten_steps(tmp_path):
+def test_pp2_trains_unpacked(tmp_path):
     """PP2 (1F1B, 2 ranks) trains unpacked samples; PP parity: test_parity_pipeline."""
     dump = tmp_path / "pp2"
     run = subprocess.run(
@@ -116,7 +113,7 @@ def test_pp2_trains_ten_steps(tmp_path):
             f"--dump_folder={dump}",
             *UNPACKED.split(),
             "--metrics.enable_tensorboard",
-            "--training.steps=10",
+            f"--training.steps={STEPS}",
         ],
         env={
             **os.environ,
@@ -129,5 +126,5 @@ def test_pp2_trains_ten_steps(tmp_path):
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     losses = read_tb_scalars(dump / "tb").loss
-    assert sorted(losses) == list(range(1, 11))
-    assert losses[10] < losses[1], losses
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1], losses

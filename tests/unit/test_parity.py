@@ -433,6 +433,37 @@ def test_suite_makes_seed_and_baseline_once(tmp_path, fake_launcher):
     assert suite["tests"]["offset"]["png"] == str(out / "offset" / "parity.png")
 
 
+def test_suite_loads_a_given_seed_checkpoint(tmp_path, fake_launcher):
+    """Suites of one model share one seed: no seed run, every run loads it."""
+    fake, launches = fake_launcher
+    seed = tmp_path / "shared" / "checkpoint" / "step-0"
+    seed.mkdir(parents=True)
+    (seed / ".metadata").write_text("")
+    out = tmp_path / "suite"
+    results = run_parity_suite(
+        RunSpec(),
+        {"cp2": RunSpec(ngpu=2)},
+        steps=2,
+        exact=True,
+        output_dir=out,
+        launcher=fake,
+        seed_checkpoint=seed,
+    )
+    assert launches() == ["baseline", "cp2"] and results["cp2"].passed
+    load = f"--checkpoint.initial_load_path={seed}"
+    assert all(load in run.command for run in results["cp2"].runs)
+    suite = json.loads((out / "suite.json").read_text())
+    assert suite["seed_checkpoint"] == str(seed)
+    with pytest.raises(ValueError, match="no .metadata"):
+        run_parity_suite(
+            RunSpec(),
+            {"cp2": RunSpec(ngpu=2)},
+            output_dir=tmp_path / "other",
+            launcher=fake,
+            seed_checkpoint=tmp_path / "missing",
+        )
+
+
 def test_suite_failing_test_does_not_stop_the_others(tmp_path, fake_launcher):
     fake, launches = fake_launcher
     out = tmp_path / "suite"

@@ -56,7 +56,9 @@ __all__ = [
     "format_result",
     "load_probe_model",
     "main",
+    "probe_training_args",
     "run_probe",
+    "seed_checkpoint_args",
     "shuffle_images",
 ]
 
@@ -82,6 +84,60 @@ class ProbeResult:
     batch_size: int
     seq_len: int
     seed: int
+
+
+def seed_checkpoint_args(seed: int = 42) -> list[str]:
+    """``run_train.sh`` flags (1 rank, packed TOML) writing the initial weights."""
+    return [
+        *_probe_job_args(seed),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+    ]
+
+
+def probe_training_args(
+    *, steps: int, seed_checkpoint: str | Path, fp32: bool, seed: int = 42
+) -> list[str]:
+    """``run_train.sh`` flags of a probe training run on a packed-job TOML.
+
+    One 256-token row per rank, lr 8e-3 after 5 warmup steps, clipping at 1,
+    weights from ``seed_checkpoint``, a final model-only float32 checkpoint at
+    ``steps`` for the probe. ``fp32`` keeps FSDP's parameters in float32 (as
+    the parity suites do) instead of the job's default bf16 mixed precision.
+    """
+    precision = ["--training.mixed_precision_param", "float32"] if fp32 else []
+    return [
+        *_probe_job_args(seed),
+        *precision,
+        "--training.steps",
+        str(steps),
+        "--optimizer.param-groups.0.optimizer-kwargs.lr",
+        "8e-3",
+        "--lr_scheduler.warmup_steps",
+        "5",
+        "--training.max_norm",
+        "1.0",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(steps),
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "float32",
+        f"--checkpoint.initial_load_path={seed_checkpoint}",
+        "--checkpoint.initial_load_model_only",
+        "activation-checkpoint:none",
+    ]
+
+
+def _probe_job_args(seed: int) -> list[str]:
+    return [
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "1",
+        "--debug.deterministic",
+        f"--debug.seed={seed}",
+    ]
 
 
 def build_probe_job(*, seq_len: int, dataset_path: str | Path | None = None):

@@ -91,6 +91,9 @@ class RunRecord:
     name: str
     command: str
     log_path: str
+    # What ran, to run it again (e.g. the same command resuming a checkpoint).
+    job_env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
     returncode: int | None = None
     wall_s: float = 0.0
     timed_out: bool = False
@@ -152,7 +155,13 @@ def launch_run(
     ``timeout`` (a hang) is killed whole and reported as timed out.
     """
     command = _command_string(job_env, argv)
-    record = RunRecord(name=name, command=command, log_path=str(log_path))
+    record = RunRecord(
+        name=name,
+        command=command,
+        log_path=str(log_path),
+        job_env=dict(job_env),
+        argv=list(argv),
+    )
     print(f"[parity] {name}: {command}", flush=True)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env.update(job_env)

@@ -155,7 +155,7 @@ class _Session:
     timeout: float | None
     echo: bool
     seed_options: str
-    seed_checkpoint: bool
+    seed_checkpoint: bool | Path
     keep_mixed_precision: bool
     moment_step: int | None
     # Flags that make a run start from the seed checkpoint; set by _make_seed.
@@ -233,7 +233,7 @@ def _start(
     timeout: float | None,
     echo: bool,
     seed_options: str,
-    seed_checkpoint: bool,
+    seed_checkpoint: bool | str | os.PathLike[str],
     keep_mixed_precision: bool,
     moment_step: int | None,
 ) -> _Session:
@@ -249,6 +249,13 @@ def _start(
     if out.exists() and any(out.iterdir()):
         # Stale checkpoints would be resumed, stale TB runs compared.
         raise ValueError(f"output dir {out} exists and is not empty")
+    if not isinstance(seed_checkpoint, bool):
+        seed_checkpoint = Path(seed_checkpoint).resolve()
+        if not (seed_checkpoint / ".metadata").is_file():
+            raise ValueError(
+                f"seed_checkpoint {seed_checkpoint} is not a DCP checkpoint "
+                "(no .metadata); pass a step folder, e.g. <dump>/checkpoint/step-0"
+            )
     out.mkdir(parents=True, exist_ok=True)
     return _Session(
         out=out,
@@ -303,11 +310,22 @@ def _make_seed(s: _Session, baseline: RunSpec) -> tuple[RunRecord, list[str]]:
         failures.append(record.failure())
     elif not (seed_path / ".metadata").is_file():
         failures.append(f"seed run succeeded but wrote no checkpoint at {seed_path}")
-    s.load_args = [
+    s.load_args = _load_seed_args(seed_path)
+    return record, failures
+
+
+def _seed_json(s: _Session) -> dict[str, Any]:
+    """The seed of a report: the options that made it, or the checkpoint loaded."""
+    if isinstance(s.seed_checkpoint, Path):
+        return {"seed_options": None, "seed_checkpoint": str(s.seed_checkpoint)}
+    return {"seed_options": s.seed_options if s.seed_checkpoint else None}
+
+
+def _load_seed_args(seed_path: Path) -> list[str]:
+    return [
         f"--checkpoint.initial_load_path={seed_path}",
         "--checkpoint.initial_load_model_only",
     ]
-    return record, failures
 
 
 def _train(
@@ -359,7 +377,9 @@ def _run_baseline(s: _Session, baseline: RunSpec) -> _Baseline:
     runs: list[RunRecord] = []
     failures: list[str] = []
     scalars: RunScalars | None = None
-    if s.seed_checkpoint:
+    if isinstance(s.seed_checkpoint, Path):
+        s.load_args = _load_seed_args(s.seed_checkpoint)
+    elif s.seed_checkpoint:
         record, failures = _make_seed(s, baseline)
         runs.append(record)
     if not failures:
@@ -462,7 +482,7 @@ def _run_test(
         "moments": ({"step": s.moment_step, **moments.summary()} if moments else None),
         "baseline": dataclasses.asdict(base.spec),
         "test": dataclasses.asdict(case.spec),
-        "seed_options": s.seed_options if s.seed_checkpoint else None,
+        **_seed_json(s),
         "keep_mixed_precision": s.keep_mixed_precision,
         "runs": [_run_record_json(r) for r in runs],
         "per_step": [dataclasses.asdict(r) for r in rows],
@@ -506,7 +526,7 @@ def run_parity_suite(
     *,
     steps: int = 10,
     seed_options: str = "",
-    seed_checkpoint: bool = True,
+    seed_checkpoint: bool | str | os.PathLike[str] = True,
     output_dir: str | os.PathLike[str] | None = None,
     loss_tol: float = DEFAULT_LOSS_TOL,
     grad_norm_tol: float = DEFAULT_GRAD_NORM_TOL,
@@ -522,12 +542,14 @@ def run_parity_suite(
 ) -> dict[str, ParityResult]:
     """Compare several tests with one baseline, trained once from one seed.
 
-    The seed checkpoint (one rank, the baseline's job plus ``seed_options``)
-    and the baseline are made once; then each test trains in ``tests``' order
-    and is compared with the baseline. A value is a ``RunSpec`` (compared with
-    the suite's settings) or a :class:`ParityCase` whose non-``None`` fields
-    override them for that test. Names must match
-    ``[A-Za-z0-9][A-Za-z0-9_.-]*`` and not be ``seed`` or ``baseline``.
+    The seed checkpoint (one rank, the baseline's job plus ``seed_options``;
+    or, when ``seed_checkpoint`` is a path, that checkpoint's step folder, so
+    that suites of one model share one) and the baseline are made once; then
+    each test trains in ``tests``' order and is compared with the baseline. A
+    value is a ``RunSpec`` (compared with the suite's settings) or a
+    :class:`ParityCase` whose non-``None`` fields override them for that test.
+    Names must match ``[A-Za-z0-9][A-Za-z0-9_.-]*`` and not be ``seed`` or
+    ``baseline``.
 
     Bounds: |dloss| <= ``loss_tol`` and |dgrad_norm| <= ``grad_norm_tol`` at
     every step, or (``exact``) no difference at all. A test with a ``control``
@@ -589,7 +611,7 @@ def run_parity_suite(
         "steps": steps,
         "moment_step": moment_step,
         "baseline": dataclasses.asdict(baseline),
-        "seed_options": seed_options if seed_checkpoint else None,
+        **_seed_json(s),
         "keep_mixed_precision": keep_mixed_precision,
         "failures": base.failures,
         "runs": [_run_record_json(r) for r in base.runs],

@@ -13,7 +13,7 @@ from torchtitan.models.muse_glimmer import model_registry as upstream_model_regi
 from torchtitan.protocols.model_spec import ModelSpec
 
 from .data import RobustMMDataLoader
-from .model import MuseGlimmerModel, gather_vision_rows
+from .model import MuseGlimmerModel, exchange_vision_rows, gather_vision_rows
 from .parallelize import parallelize_muse_glimmer
 from .pipeline import pipeline_muse_glimmer
 from .sharding import VISION_MODULE_FQNS
@@ -25,7 +25,12 @@ from .trainer import (
     blank_image,
     post_process_with_vision_bank_indices,
 )
-from .vision_bank import build_vision_bank_indices, check_vision_placeholders
+from .vision_bank import (
+    build_vision_bank_indices,
+    check_vision_placeholders,
+    image_encoding_cost,
+    split_images_over_cp,
+)
 
 __all__ = [
     "VISION_MODULE_FQNS",
@@ -38,11 +43,14 @@ __all__ = [
     "blank_image",
     "build_vision_bank_indices",
     "check_vision_placeholders",
+    "exchange_vision_rows",
     "gather_vision_rows",
+    "image_encoding_cost",
     "model_registry",
     "parallelize_muse_glimmer",
     "pipeline_muse_glimmer",
     "post_process_with_vision_bank_indices",
+    "split_images_over_cp",
 ]
 
 

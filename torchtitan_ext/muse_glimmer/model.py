@@ -1,9 +1,12 @@
 """muse_glimmer with vision injection by bank index, so it runs under CP."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import spmd_types as spmd
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
@@ -16,7 +19,7 @@ from .sharding import (
     set_cp_vision_sharding_config,
 )
 
-__all__ = ["MuseGlimmerModel", "gather_vision_rows"]
+__all__ = ["MuseGlimmerModel", "exchange_vision_rows", "gather_vision_rows"]
 
 
 @spmd.register_local_autograd_function
@@ -105,6 +108,35 @@ def gather_vision_rows(
     if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
         return _gather_vision_rows_typed(h_BLD, vision_bank_TD, vision_bank_indices_BL)
     return _gather_vision_rows_local(h_BLD, vision_bank_TD, vision_bank_indices_BL)
+
+
+def exchange_vision_rows(
+    local_rows_RD: torch.Tensor,
+    rows_per_rank: Sequence[int],
+    cp_group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """The whole vision bank from each CP rank's rows, in rank order.
+
+    Each rank encoded a contiguous range of the images, so the ranks' rows,
+    concatenated in rank order, are the replicated bank. Forward: an
+    all-gather of equal blocks (``rows_per_rank`` padded to the largest, host
+    ints: no sync); backward: its reduce-scatter, a sum, so a rank receives
+    the gradient of its rows from every rank's tokens, not only its own
+    (the gradient that a forward gather with a local-slice backward drops).
+    The reduction runs in float32 whatever the rows' dtype, as FSDP's does.
+    """
+    block = max(rows_per_rank)
+    padded_RD = F.pad(local_rows_RD, (0, 0, 0, block - local_rows_RD.shape[0]))
+    gathered_CRD = spmd.all_gather(
+        padded_RD,
+        cp_group,
+        src=spmd.V,
+        dst=spmd.R,
+        backward_options={"op_dtype": torch.float32},
+    )
+    return torch.cat(
+        [gathered_CRD[rank, :rows] for rank, rows in enumerate(rows_per_rank)]
+    )
 
 
 class MuseGlimmerModel(_UpstreamModel):

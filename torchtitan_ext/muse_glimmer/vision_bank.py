@@ -8,11 +8,15 @@ the tokens, no rank can. Built from the unsharded tokens and sharded with them,
 ``vision_bank_indices`` lets every rank gather its own rows.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
     "build_vision_bank_indices",
     "check_vision_placeholders",
+    "image_encoding_cost",
+    "split_images_over_cp",
     "tokens_per_image",
 ]
 
@@ -97,3 +101,77 @@ def check_vision_placeholders(
             f"Multimodal batch mismatch: {summary}; image {image} has "
             f"{int(run_length_R[image])} placeholders for {int(rows_N[image])} rows."
         )
+
+
+def image_encoding_cost(patches: int, vision_dim: int) -> int:
+    """Relative cost of encoding an image of ``patches`` patches: ``p * (p + 6 d)``.
+
+    Per vision block, the q/k/v/output projections and a 4x MLP take
+    ``24 p d**2`` FLOPs and attention (scores, then their product with v)
+    ``4 p**2 d``: ``4 p d (p + 6 d)`` in all. Only ratios between images matter.
+    """
+    return patches * (patches + 6 * vision_dim)
+
+
+def split_images_over_cp(costs: Sequence[int], cp_degree: int) -> list[tuple[int, int]]:
+    """Contiguous image ranges ``[start, stop)``, one per CP rank, in rank order.
+
+    The largest range cost is the smallest any contiguous split achieves; every
+    rank gets at least one image while there are enough. A pure function of
+    host integers, so every CP rank computes the same split with no
+    communication. Ranks past the last image get an empty range.
+    """
+    if cp_degree < 1:
+        raise ValueError(f"cp_degree must be at least 1, got {cp_degree}")
+    if any(c < 0 for c in costs):
+        raise ValueError(f"image costs must be non-negative, got {list(costs)}")
+    n = len(costs)
+    ranges = _fill_ranges(costs, _smallest_bottleneck(costs, cp_degree))
+    while len(ranges) < min(cp_degree, n):
+        ranges = _split_costliest(ranges, costs)
+    ranges += [(n, n)] * (cp_degree - len(ranges))
+    return ranges
+
+
+def _range_cost(costs: Sequence[int], start: int, stop: int) -> int:
+    return sum(costs[start:stop])
+
+
+def _fill_ranges(costs: Sequence[int], bottleneck: int) -> list[tuple[int, int]]:
+    """Left to right, each range as long as it stays within ``bottleneck``."""
+    ranges: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, cost in enumerate(costs):
+        if i > start and total + cost > bottleneck:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += cost
+    if start < len(costs):
+        ranges.append((start, len(costs)))
+    return ranges
+
+
+def _smallest_bottleneck(costs: Sequence[int], parts: int) -> int:
+    """The least B such that ``parts`` contiguous ranges of cost <= B hold all."""
+    low, high = max(costs, default=0), sum(costs)
+    while low < high:
+        mid = (low + high) // 2
+        if len(_fill_ranges(costs, mid)) <= parts:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _split_costliest(
+    ranges: list[tuple[int, int]], costs: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Split the costliest range of two or more images where its halves balance."""
+    splittable = [r for r in ranges if r[1] - r[0] > 1]
+    start, stop = max(splittable, key=lambda r: _range_cost(costs, *r))
+    cut = min(
+        range(start + 1, stop),
+        key=lambda c: max(_range_cost(costs, start, c), _range_cost(costs, c, stop)),
+    )
+    i = ranges.index((start, stop))
+    return [*ranges[:i], (start, cut), (cut, stop), *ranges[i + 1 :]]

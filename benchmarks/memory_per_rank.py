@@ -251,6 +251,9 @@ def _worker(args: argparse.Namespace) -> None:
     torch.distributed.all_gather_object(gathered, rows)
     if int(os.environ["RANK"]) == 0:
         args.worker_out.write_text(json.dumps(gathered))
+    # As torchtitan.train's main: a process group left to interpreter exit can
+    # abort there ("terminate called without an active exception"; seen once).
+    torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------- driver side

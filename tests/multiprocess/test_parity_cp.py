@@ -70,6 +70,8 @@ def _planted(bug: str) -> ParityCase:
 
 # Sharpest baseline of each CP job, when it is not the 1-rank run.
 SHARPEST = {
+    # The same job with every CP rank encoding every image.
+    "cp2_sharded_vision": "cp2_ptrr_typechecked",
     "tp2_cp2_sp_typechecked": "tp2_sp",
     "cp2_pp2": "pp2",
     "cp2_pp2_interleaved": "pp2",
@@ -82,6 +84,9 @@ CP_JOBS = {
         "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
     ),
     "cp4_ptrr": toml_spec("cp4.toml", 4),
+    "cp2_sharded_vision": toml_spec(
+        "cp2.toml", 2, "--parallelism.context_parallel_vision sharded"
+    ),
     "tp2_cp2_sp_typechecked": _registry_job("tp2_cp2_sp_typechecked", 4),
     "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
     "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),

@@ -6,8 +6,16 @@ import random
 import pytest
 import torch
 
-from torchtitan_ext.muse_glimmer import image_encoding_cost, split_images_over_cp
+from torchtitan_ext.muse_glimmer import (
+    VisionGeometry,
+    cp_vision_share,
+    image_encoding_cost,
+    post_process_with_vision_bank_indices,
+    split_images_over_cp,
+)
 from torchtitan_ext.muse_glimmer.vision_bank import tokens_per_image
+
+IMAGE_ID = 4
 
 
 def _best_bottleneck(costs: list[int], parts: int) -> int:
@@ -83,3 +91,47 @@ def test_bad_arguments_name_the_value():
         split_images_over_cp([1], 0)
     with pytest.raises(ValueError, match=r"non-negative, got \[1, -2\]"):
         split_images_over_cp([1, -2], 2)
+
+
+def _post_process(inputs, labels):  # upstream's, without CP and typing
+    return inputs["input"], labels, {k: v for k, v in inputs.items() if k != "input"}
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1, 2])
+def test_preprocessing_gives_the_model_this_ranks_share(cp_rank):
+    """Indices from every image; pixels of this rank's share (a blank if none)."""
+    geometry = VisionGeometry(spatial_merge_size=2, patch_dim=6, vision_dim=8)
+    grid_thw_N3 = torch.tensor([[1, 2, 2], [1, 4, 4]])  # 1 and 4 bank rows
+    pixel_values_NPD = torch.randn(2, 16, 6)
+    tokens_BL = torch.full((1, 12), 7)
+    tokens_BL[0, 1] = IMAGE_ID
+    tokens_BL[0, 4:8] = IMAGE_ID
+    share = cp_vision_share(
+        grid_thw_N3,
+        cp_degree=3,
+        cp_rank=cp_rank,
+        spatial_merge_size=2,
+        vision_dim=8,
+    )
+    assert share.rows_per_rank == (1, 4, 0)
+    input_dict = {
+        "input": tokens_BL,
+        "pixel_values": pixel_values_NPD,
+        "grid_thw": grid_thw_N3,
+        "special_tokens": {"image_id": IMAGE_ID},
+        "cp_vision_share": share,
+    }
+    _, _, kwargs = post_process_with_vision_bank_indices(
+        _post_process, input_dict, tokens_BL, geometry
+    )
+    assert kwargs["cp_vision_share"] is share
+    want = torch.full((1, 12), -1)
+    want[0, 1], want[0, 4:8] = 0, torch.arange(1, 5)
+    assert torch.equal(kwargs["vision_bank_indices"], want)
+    start, stop = share.image_range
+    if stop > start:
+        assert torch.equal(kwargs["pixel_values"], pixel_values_NPD[start:stop])
+        assert torch.equal(kwargs["grid_thw"], grid_thw_N3[start:stop])
+    else:  # rank 2 has no image: it encodes a blank one and sends no row
+        assert torch.equal(kwargs["grid_thw"], torch.tensor([[1, 2, 2]]))
+        assert not kwargs["pixel_values"].any()

@@ -47,7 +47,9 @@ def test_validator_rejects_the_batch_with_the_trainers_message(tmp_path):
     seq_len, local_batch_size = 256, 3
 
     trainer = MuseGlimmerTrainer.__new__(MuseGlimmerTrainer)
+    trainer.config = job
     trainer.model_config = job.model_spec.model
+    trainer.parallel_dims = ParallelDims.from_config(job.parallelism, world_size=1)
     trainer.metrics_processor = SimpleNamespace(
         ntokens_since_last_log=0, data_loading_times=[]
     )

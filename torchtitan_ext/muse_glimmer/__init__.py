@@ -19,6 +19,7 @@ from .pipeline import pipeline_muse_glimmer
 from .sharding import VISION_MODULE_FQNS
 from .trainer import (
     MuseGlimmerMetricsProcessor,
+    MuseGlimmerParallelismConfig,
     MuseGlimmerTrainer,
     MuseGlimmerValidator,
     VisionGeometry,
@@ -26,15 +27,19 @@ from .trainer import (
     post_process_with_vision_bank_indices,
 )
 from .vision_bank import (
+    CpVisionShare,
     build_vision_bank_indices,
     check_vision_placeholders,
+    cp_vision_share,
     image_encoding_cost,
     split_images_over_cp,
 )
 
 __all__ = [
     "VISION_MODULE_FQNS",
+    "CpVisionShare",
     "MuseGlimmerMetricsProcessor",
+    "MuseGlimmerParallelismConfig",
     "MuseGlimmerModel",
     "MuseGlimmerTrainer",
     "MuseGlimmerValidator",
@@ -43,6 +48,7 @@ __all__ = [
     "blank_image",
     "build_vision_bank_indices",
     "check_vision_placeholders",
+    "cp_vision_share",
     "exchange_vision_rows",
     "gather_vision_rows",
     "image_encoding_cost",

@@ -75,6 +75,7 @@ def check_context_parallel(model_config, config) -> None:
     ``max_seq_len`` allows none (the message names the largest CP degree).
     """
     parallelism = config.parallelism
+    _check_cp_vision_mode(parallelism)
     cp = parallelism.context_parallel_degree
     if cp <= 1:
         return
@@ -117,6 +118,23 @@ def check_context_parallel(model_config, config) -> None:
                 "parallelism.context_parallel_ptrr_mask_key to name one "
                 f"of muse_glimmer's attention masks {mask_keys}; got {key!r}."
             )
+
+
+def _check_cp_vision_mode(parallelism) -> None:
+    """``context_parallel_vision`` is a known mode; sharded needs spmd_types."""
+    mode = getattr(parallelism, "context_parallel_vision", "replicated")
+    if mode not in ("replicated", "sharded"):
+        raise ValueError(
+            f"parallelism.context_parallel_vision={mode!r} is not a mode; "
+            "choose 'replicated' (every CP rank encodes all images) or "
+            "'sharded' (each CP rank encodes a share)."
+        )
+    if mode == "sharded" and parallelism.spmd_backend != "spmd_types":
+        raise ValueError(
+            "parallelism.context_parallel_vision='sharded' exchanges the vision "
+            "rows on the spmd_types mesh; it needs parallelism.spmd_backend="
+            f"'spmd_types', got {parallelism.spmd_backend!r}."
+        )
 
 
 def check_tensor_parallel_heads(model_config, tp: int) -> None:

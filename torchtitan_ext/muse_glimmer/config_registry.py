@@ -16,6 +16,7 @@ from . import model_registry
 from .data import RobustMMDataLoader
 from .trainer import (
     MuseGlimmerMetricsProcessor,
+    MuseGlimmerParallelismConfig,
     MuseGlimmerTrainer,
     MuseGlimmerValidator,
 )
@@ -58,6 +59,7 @@ def _embedded_data_paths() -> tuple[str, str]:
 def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
     """An upstream job, run by the plug-in's Trainer and model on embedded data."""
     job = _as(MuseGlimmerTrainer.Config, config)
+    job.parallelism = _as(MuseGlimmerParallelismConfig, config.parallelism)
     job.validator = _as(MuseGlimmerValidator.Config, config.validator)
     job.metrics = _as(MuseGlimmerMetricsProcessor.Config, config.metrics)
     job.dataloader = _as(RobustMMDataLoader.Config, config.dataloader)

@@ -14,10 +14,13 @@ from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamMo
 from .config_checks import check_context_parallel, check_tensor_parallel_heads
 from .sharding import (
     BANK_TYPE,
+    CP,
+    SHARDED_VISION_INPUT_TYPE,
     TOKEN_TYPE,
     VISION_INPUT_TYPE,
     set_cp_vision_sharding_config,
 )
+from .vision_bank import CpVisionShare
 
 __all__ = ["MuseGlimmerModel", "exchange_vision_rows", "gather_vision_rows"]
 
@@ -113,7 +116,7 @@ def gather_vision_rows(
 def exchange_vision_rows(
     local_rows_RD: torch.Tensor,
     rows_per_rank: Sequence[int],
-    cp_group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup | str = CP,
 ) -> torch.Tensor:
     """The whole vision bank from each CP rank's rows, in rank order.
 
@@ -124,6 +127,7 @@ def exchange_vision_rows(
     the gradient of its rows from every rank's tokens, not only its own
     (the gradient that a forward gather with a local-slice backward drops).
     The reduction runs in float32 whatever the rows' dtype, as FSDP's does.
+    ``cp_group`` is a process group or the cp axis of the ambient spmd mesh.
     """
     block = max(rows_per_rank)
     padded_RD = F.pad(local_rows_RD, (0, 0, 0, block - local_rows_RD.shape[0]))
@@ -143,11 +147,19 @@ class MuseGlimmerModel(_UpstreamModel):
     """torchtitan's muse_glimmer, injecting vision features by ``vision_bank_indices``.
 
     Same modules and state-dict keys as upstream; only the injection differs.
+    With sharded vision each CP rank encodes its share of the images (the
+    Trainer slices them) and the projected rows are exchanged before the gather.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(_UpstreamModel.Config):
+        context_parallel_vision: str = "replicated"
+        """Set from ``parallelism.context_parallel_vision`` by the job."""
+
         def update_from_config(self, *, config, **kwargs) -> None:
+            self.context_parallel_vision = getattr(
+                config.parallelism, "context_parallel_vision", "replicated"
+            )
             if self.vision_encoder is not None:
                 # Before upstream's update, which lowers max_seq_len to seq_len.
                 check_context_parallel(self, config)
@@ -156,7 +168,9 @@ class MuseGlimmerModel(_UpstreamModel):
                 )
             _UpstreamModel.Config.update_from_config(self, config=config, **kwargs)
             if self.vision_encoder is not None:
-                set_cp_vision_sharding_config(self)
+                set_cp_vision_sharding_config(
+                    self, sharded=self.context_parallel_vision == "sharded"
+                )
 
     def forward(
         self,
@@ -165,19 +179,24 @@ class MuseGlimmerModel(_UpstreamModel):
         attention_masks=None,
         *,
         vision_bank_indices: torch.Tensor | None = None,
+        cp_vision_share: CpVisionShare | None = None,
         **kwargs,
     ):
         if get_spmd_backend() == "spmd_types":
+            sharded = self.config.context_parallel_vision == "sharded"
+            input_type = SHARDED_VISION_INPUT_TYPE if sharded else VISION_INPUT_TYPE
             with multimodal_context():
                 for name in ("pixel_values", "grid_thw"):
                     if kwargs.get(name) is not None:
-                        spmd.assert_type(kwargs[name], VISION_INPUT_TYPE)
-        # _inject_vision's signature is upstream's; the indices reach it from here.
+                        spmd.assert_type(kwargs[name], input_type)
+        # _inject_vision's signature is upstream's; these reach it from here.
         self._vision_bank_indices_BL = vision_bank_indices
+        self._cp_vision_share = cp_vision_share
         try:
             return super().forward(tokens, positions, attention_masks, **kwargs)
         finally:
             self._vision_bank_indices_BL = None
+            self._cp_vision_share = None
 
     def _inject_vision(
         self,
@@ -185,7 +204,14 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_features: torch.Tensor,
         vision_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Project + norm the bank (replicated over CP); gather this rank's rows."""
+        """Project + norm the bank; gather this rank's rows.
+
+        With sharded vision the features are this CP rank's share: they are
+        projected and normed here, then exchanged. Exchanging after the norm
+        rather than after the adapter sends rows of the decoder's width, not
+        the adapter's, but leaves the bank the only vision tensor every CP rank
+        holds whole: projection and norm activations shrink with CP too.
+        """
         vision_bank_indices_BL = self._vision_bank_indices_BL
         if vision_bank_indices_BL is None:
             raise ValueError(
@@ -198,4 +224,11 @@ class MuseGlimmerModel(_UpstreamModel):
         vision_bank_TD = self.perception_emb_norm(
             self.vision_projection(vision_features)
         ).squeeze(0)
+        share = self._cp_vision_share
+        if share is not None:
+            # A rank with no images of its own encoded a blank one: none of it.
+            local_rows = share.rows_per_rank[share.cp_rank]
+            vision_bank_TD = exchange_vision_rows(
+                vision_bank_TD[:local_rows], share.rows_per_rank
+            )
         return gather_vision_rows(h, vision_bank_TD, vision_bank_indices_BL)

@@ -5,7 +5,10 @@ Upstream's vision layouts name only dp and tp, so FSDP, which shards over
 Under CP the whole vision stack runs replicated: every CP rank of a DP group
 encodes the same images, so every vision parameter and activation is ``R`` on
 cp, and each rank's gradient is a partial sum (``P``) that FSDP's reduction
-over (dp_shard, cp) completes.
+over (dp_shard, cp) completes. With sharded vision
+(``parallelism.context_parallel_vision = "sharded"``) each CP rank encodes its
+own share of the images: the parameters stay ``R`` on cp, the activations are
+``V``, until the exchange all-gathers the projected rows into the ``R`` bank.
 """
 
 import spmd_types as spmd
@@ -18,6 +21,7 @@ __all__ = [
     "BANK_TYPE",
     "BATCH_TOKEN_TYPE",
     "TOKEN_TYPE",
+    "SHARDED_VISION_INPUT_TYPE",
     "VISION_INPUT_TYPE",
     "VISION_MODULE_FQNS",
     "set_cp_vision_sharding_config",
@@ -40,6 +44,8 @@ BATCH_TOKEN_TYPE = {DP: spmd.S(0), CP: spmd.S(1), TP: spmd.R}
 # Inside ``multimodal_context`` dp is a local axis: each DP rank encodes its own
 # images (V), every CP rank of a DP group encodes the same ones (R).
 VISION_INPUT_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.I}
+# Sharded vision: each CP rank encodes its own images.
+SHARDED_VISION_INPUT_TYPE = {DP: spmd.V, CP: spmd.V, TP: spmd.I}
 BANK_TYPE = {DP: spmd.V, CP: spmd.R, TP: spmd.R}
 TOKEN_TYPE = {DP: spmd.V, CP: spmd.S(1), TP: spmd.R}
 
@@ -56,10 +62,21 @@ def _on_cp(layout: SpmdLayout | None, cp_type) -> SpmdLayout | None:
     return SpmdLayout(axis_types, partition_spec=layout.partition_spec)
 
 
-def _replicated_on_cp(sharding: ShardingConfig) -> ShardingConfig:
-    """The same layouts with ``R`` on cp (gradients ``P``) wherever cp is missing."""
+def _grad_type(activation_type):
+    """The gradient type of an activation: ``P`` for ``R``, ``V`` for ``V``."""
+    return spmd.P if activation_type is spmd.R else activation_type
 
-    def each(layouts, cp_type=spmd.R):
+
+def _on_cp_everywhere(
+    sharding: ShardingConfig, activation_type=spmd.R
+) -> ShardingConfig:
+    """The same layouts with cp added wherever it is missing.
+
+    Parameters get ``R``; inputs and outputs ``activation_type`` (``R`` when
+    every CP rank encodes the same images, ``V`` when each encodes its own).
+    """
+
+    def each(layouts, cp_type=activation_type):
         if layouts is None:
             return None
         if isinstance(layouts, dict):
@@ -71,10 +88,12 @@ def _replicated_on_cp(sharding: ShardingConfig) -> ShardingConfig:
     local_map = sharding.local_map
     if local_map is not None:
         local_map = LocalMapConfig(
-            in_grad_placements=each(local_map.in_grad_placements, spmd.P)
+            in_grad_placements=each(
+                local_map.in_grad_placements, _grad_type(activation_type)
+            )
         )
     return ShardingConfig(
-        state_shardings=each(sharding.state_shardings),
+        state_shardings=each(sharding.state_shardings, spmd.R),
         in_src_shardings=each(sharding.in_src_shardings),
         in_dst_shardings=each(sharding.in_dst_shardings),
         out_src_shardings=each(sharding.out_src_shardings),
@@ -83,8 +102,10 @@ def _replicated_on_cp(sharding: ShardingConfig) -> ShardingConfig:
     )
 
 
-def _vision_inner_attention_sharding(decoder_style: ShardingConfig) -> ShardingConfig:
-    """Vision attention keeps q, k, v and its output ``R`` on cp.
+def _vision_inner_attention_sharding(
+    decoder_style: ShardingConfig, activation_type=spmd.R
+) -> ShardingConfig:
+    """Vision attention keeps q, k, v and its output ``activation_type`` on cp.
 
     Upstream reuses the decoder's inner-attention layout, which all-gathers k/v
     over cp (the decoder's sequence is CP-sharded). The vision patches are
@@ -92,12 +113,14 @@ def _vision_inner_attention_sharding(decoder_style: ShardingConfig) -> ShardingC
     attend to cp copies of its own patches.
     """
 
-    def replicated(layout: SpmdLayout, cp_type=spmd.R) -> SpmdLayout:
+    def on_cp(layout: SpmdLayout, cp_type) -> SpmdLayout:
         return SpmdLayout({**layout.axis_types, CP: cp_type})
 
     assert decoder_style.in_dst_shardings is not None
-    q_layout = replicated(decoder_style.in_dst_shardings["q_BLNH"])
-    grad_layout = replicated(decoder_style.in_dst_shardings["q_BLNH"], spmd.P)
+    q_layout = on_cp(decoder_style.in_dst_shardings["q_BLNH"], activation_type)
+    grad_layout = on_cp(
+        decoder_style.in_dst_shardings["q_BLNH"], _grad_type(activation_type)
+    )
     qkv = {name: q_layout for name in ("q_BLNH", "k_BLNH", "v_BLNH")}
     return ShardingConfig(
         in_src_shardings=qkv,
@@ -107,17 +130,24 @@ def _vision_inner_attention_sharding(decoder_style: ShardingConfig) -> ShardingC
     )
 
 
-def set_cp_vision_sharding_config(model_config) -> None:
-    """Declare the vision modules replicated on cp (a no-op axis when cp == 1)."""
+def set_cp_vision_sharding_config(model_config, *, sharded: bool = False) -> None:
+    """Declare the vision modules' cp types (a no-op axis when cp == 1).
+
+    Parameters are ``R`` on cp either way; activations ``R``, or ``V`` when
+    ``sharded`` (each CP rank encodes its own share of the images).
+    """
+    activation_type = spmd.V if sharded else spmd.R
     for name in VISION_MODULE_FQNS:
         module_config = getattr(model_config, name, None)
         if module_config is None:
             continue
         for _, config, _, _ in module_config.traverse(Module.Config, recurse=True):
             if config.sharding_config is not None:
-                config.sharding_config = _replicated_on_cp(config.sharding_config)
+                config.sharding_config = _on_cp_everywhere(
+                    config.sharding_config, activation_type
+                )
         for _, attention, _, _ in module_config.traverse(VisionAttention.Config):
             inner = attention.inner_attention
             inner.sharding_config = _vision_inner_attention_sharding(
-                inner.sharding_config
+                inner.sharding_config, activation_type
             )

@@ -1,9 +1,10 @@
 """The plug-in's Trainer and Validator: bank indices built before CP sharding."""
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import spmd_types as spmd
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.validate import Validator
+from torchtitan.config import ParallelismConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 from torchtitan.tools.logging import logger
@@ -18,11 +20,17 @@ from torchtitan.trainer import Trainer
 
 from .config_checks import check_job_config
 from .sharding import BATCH_TOKEN_TYPE
-from .vision_bank import build_vision_bank_indices, check_vision_placeholders
+from .vision_bank import (
+    CpVisionShare,
+    build_vision_bank_indices,
+    check_vision_placeholders,
+    cp_vision_share,
+)
 
 __all__ = [
     "SKIPPED_SAMPLES_TAG",
     "MuseGlimmerMetricsProcessor",
+    "MuseGlimmerParallelismConfig",
     "MuseGlimmerTrainer",
     "MuseGlimmerValidator",
     "VisionGeometry",
@@ -31,6 +39,7 @@ __all__ = [
 ]
 
 SKIPPED_SAMPLES_TAG = "data/skipped_samples"
+_SHARE_KEY = "cp_vision_share"
 
 _Batch = tuple[dict[str, Any], torch.Tensor]
 _ModelInputs = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
@@ -38,10 +47,11 @@ _ModelInputs = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
 
 @dataclass(frozen=True)
 class VisionGeometry:
-    """What the preprocessing needs of the vision encoder: merge size, patch width."""
+    """What the preprocessing needs of the vision encoder: merge size, widths."""
 
     spatial_merge_size: int
     patch_dim: int
+    vision_dim: int  # the encoder's width, for its cost per image
 
     @classmethod
     def of(cls, model_config) -> "VisionGeometry | None":
@@ -49,7 +59,25 @@ class VisionGeometry:
         encoder = getattr(model_config, "vision_encoder", None)
         if encoder is None:
             return None
-        return cls(encoder.downsample_factor, encoder.conv1.in_features)
+        return cls(
+            encoder.downsample_factor, encoder.conv1.in_features, encoder.latent_dim
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class MuseGlimmerParallelismConfig(ParallelismConfig):
+    """torchtitan's parallelism options, plus how CP ranks share the vision work."""
+
+    context_parallel_vision: Literal["replicated", "sharded"] = "replicated"
+    """
+    How the CP ranks of a DP group encode its images:
+    - "replicated": every CP rank encodes all of them (the vision work and its
+      activations do not shrink with CP);
+    - "sharded": each CP rank encodes a contiguous, cost-balanced share and
+      the ranks exchange the projected rows (one all-gather forward, one
+      reduce-scatter backward), so vision work and activations shrink with CP.
+    Both train the same model; checkpoints move between them.
+    """
 
 
 def blank_image(
@@ -76,36 +104,66 @@ def blank_image(
 
 
 def _checked_batches(
-    batches: Iterable[_Batch], geometry: VisionGeometry | None
+    batches: Iterable[_Batch],
+    geometry: VisionGeometry | None,
+    share_of: Callable[[torch.Tensor], CpVisionShare] | None = None,
 ) -> Iterator[_Batch]:
     """``batches``, each rejected if its placeholders and images disagree.
 
     Run on the CPU batch, before it moves to the device: the check reads its
     counts on the host, and every rank of a CP group raises the same error
-    before any collective.
+    before any collective. With ``share_of`` (sharded vision) a batch with
+    images also gets this CP rank's share of them, from the same host counts.
     """
     for input_dict, labels in batches:
         if geometry is not None and "special_tokens" in input_dict:
+            grid_thw_N3 = input_dict.get("grid_thw")
             check_vision_placeholders(
                 input_dict["input"],
-                input_dict.get("grid_thw"),
+                grid_thw_N3,
                 image_id=input_dict["special_tokens"]["image_id"],
                 spatial_merge_size=geometry.spatial_merge_size,
             )
+            if share_of is not None and grid_thw_N3 is not None:
+                input_dict = {**input_dict, _SHARE_KEY: share_of(grid_thw_N3)}
         yield input_dict, labels
+
+
+def _share_of(
+    parallelism: ParallelismConfig,
+    parallel_dims: ParallelDims,
+    geometry: VisionGeometry | None,
+) -> Callable[[torch.Tensor], CpVisionShare] | None:
+    """This CP rank's share of a batch's images, when its vision is sharded."""
+    sharded = getattr(parallelism, "context_parallel_vision", "replicated")
+    if geometry is None or sharded != "sharded" or not parallel_dims.cp_enabled:
+        return None
+    return functools.partial(
+        cp_vision_share,
+        cp_degree=parallel_dims.cp,
+        cp_rank=parallel_dims.get_mesh("cp").get_local_rank(),
+        spatial_merge_size=geometry.spatial_merge_size,
+        vision_dim=geometry.vision_dim,
+    )
 
 
 class _CheckedLoaderConfig:
     """Stands in for the Validator's ``dl_config``: its loader's batches, checked."""
 
     def __init__(
-        self, config: BaseDataLoader.Config, geometry: VisionGeometry | None
+        self,
+        config: BaseDataLoader.Config,
+        geometry: VisionGeometry | None,
+        share_of: Callable[[torch.Tensor], CpVisionShare] | None,
     ) -> None:
         self._config = config
         self._geometry = geometry
+        self._share_of = share_of
 
     def build(self, **kwargs) -> Iterator[_Batch]:
-        return _checked_batches(self._config.build(**kwargs), self._geometry)
+        return _checked_batches(
+            self._config.build(**kwargs), self._geometry, self._share_of
+        )
 
 
 def post_process_with_vision_bank_indices(
@@ -121,7 +179,12 @@ def post_process_with_vision_bank_indices(
     indices go through that same call, so one load balancer permutes them with
     the tokens, whichever balancer it is (headtail, ptrr, or none). A batch
     without images gets a blank image (``blank_image``) and indices all -1.
+    With sharded vision (a ``CpVisionShare`` in the batch) the indices are
+    built from all images, then the model gets only this rank's share, or a
+    blank image when that is empty.
     """
+    share = input_dict.get(_SHARE_KEY)
+    input_dict = {k: v for k, v in input_dict.items() if k != _SHARE_KEY}
     if geometry is None or "special_tokens" not in input_dict:
         return post_process(input_dict, labels)
     tokens_BL = input_dict["input"]
@@ -135,6 +198,19 @@ def post_process_with_vision_bank_indices(
             image_id=input_dict["special_tokens"]["image_id"],
             spatial_merge_size=geometry.spatial_merge_size,
         )
+    if share is not None:
+        start, stop = share.image_range
+        input_dict = {
+            **input_dict,
+            **(
+                {
+                    "pixel_values": input_dict["pixel_values"][start:stop],
+                    "grid_thw": input_dict["grid_thw"][start:stop],
+                }
+                if stop > start
+                else blank_image(geometry, tokens_BL.device)
+            ),
+        }
     tokens_and_indices_BL2 = torch.stack([tokens_BL, vision_bank_indices_BL], dim=-1)
     inputs_BL2, labels, extra_kwargs = post_process(
         {**input_dict, "input": tokens_and_indices_BL2}, labels
@@ -143,6 +219,8 @@ def post_process_with_vision_bank_indices(
         channel.contiguous() for channel in inputs_BL2.unbind(-1)
     )
     extra_kwargs["vision_bank_indices"] = vision_bank_indices_BL
+    if share is not None:
+        extra_kwargs[_SHARE_KEY] = share
     return tokens_BL, labels, extra_kwargs
 
 
@@ -162,7 +240,8 @@ class MuseGlimmerValidator(Validator):
         """
         dl_config = self.dl_config
         geometry = VisionGeometry.of(getattr(model_parts[0], "config", None))
-        self.dl_config = _CheckedLoaderConfig(dl_config, geometry)
+        share_of = _share_of(self.parallelism, self.parallel_dims, geometry)
+        self.dl_config = _CheckedLoaderConfig(dl_config, geometry, share_of)
         try:
             super().validate(model_parts, step)
         finally:
@@ -218,6 +297,9 @@ class MuseGlimmerTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        parallelism: MuseGlimmerParallelismConfig = field(
+            default_factory=MuseGlimmerParallelismConfig
+        )
         validator: MuseGlimmerValidator.Config = field(
             default_factory=MuseGlimmerValidator.Config
         )
@@ -243,8 +325,10 @@ class MuseGlimmerTrainer(Trainer):
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""
+        geometry = VisionGeometry.of(self.model_config)
+        share_of = _share_of(self.config.parallelism, self.parallel_dims, geometry)
         return _checked_batches(
-            super().batch_generator(data_iterable), VisionGeometry.of(self.model_config)
+            super().batch_generator(data_iterable), geometry, share_of
         )
 
     def post_dataloading_process(

@@ -9,12 +9,15 @@ the tokens, no rank can. Built from the unsharded tokens and sharded with them,
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "CpVisionShare",
     "build_vision_bank_indices",
     "check_vision_placeholders",
+    "cp_vision_share",
     "image_encoding_cost",
     "split_images_over_cp",
     "tokens_per_image",
@@ -175,3 +178,41 @@ def _split_costliest(
     )
     i = ranges.index((start, stop))
     return [*ranges[:i], (start, cut), (cut, stop), *ranges[i + 1 :]]
+
+
+@dataclass(frozen=True)
+class CpVisionShare:
+    """The images one CP rank encodes in sharded-vision mode, and every rank's rows.
+
+    ``rows_per_rank`` lists the bank rows each CP rank contributes, in rank
+    order; their concatenation is the replicated bank, so the bank indices
+    built from the whole batch stay valid.
+    """
+
+    image_range: tuple[int, int]
+    rows_per_rank: tuple[int, ...]
+    cp_rank: int
+
+
+def cp_vision_share(
+    grid_thw_N3: torch.Tensor,
+    *,
+    cp_degree: int,
+    cp_rank: int,
+    spatial_merge_size: int,
+    vision_dim: int,
+) -> CpVisionShare:
+    """Split a batch's images over its CP ranks by encoding cost; this rank's share.
+
+    For the CPU batch: it reads ``grid_thw`` on the host. Every rank of the CP
+    group holds the same batch and computes the same split.
+    """
+    grid = grid_thw_N3.tolist()
+    costs = [image_encoding_cost(t * h * w, vision_dim) for t, h, w in grid]
+    ranges = split_images_over_cp(costs, cp_degree)
+    rows_N = tokens_per_image(grid_thw_N3, spatial_merge_size).tolist()
+    return CpVisionShare(
+        image_range=ranges[cp_rank],
+        rows_per_rank=tuple(sum(rows_N[a:b]) for a, b in ranges),
+        cp_rank=cp_rank,
+    )

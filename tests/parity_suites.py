@@ -150,7 +150,9 @@ def moments_line(result: ParityResult) -> str:
     return f"first moments max {moments.max_error:.3e}"
 
 
-def cp_step_tolerances(control: list[StepRow]):
+def cp_step_tolerances(
+    control: list[StepRow], control_factor: float = CP_BOUNDS["control_factor"]
+):
     """``CP_BOUNDS`` per step over ``STEPS`` steps, late steps from ``control``."""
     return per_step_tolerances(
         loss_tol=CP_BOUNDS["loss_tol"],
@@ -158,5 +160,5 @@ def cp_step_tolerances(control: list[StepRow]):
         steps=STEPS,
         tight_steps=CP_BOUNDS["tight_steps"],
         control=control,
-        control_factor=CP_BOUNDS["control_factor"],
+        control_factor=control_factor,
     )

@@ -83,7 +83,10 @@ def _all_gather_vision_kv_over_cp() -> None:
     """The vision attention keeps the decoder's layout: k/v all-gathered over cp."""
     from torchtitan_ext.muse_glimmer import sharding
 
-    sharding._vision_inner_attention_sharding = lambda decoder_style: decoder_style
+    def decoder_layout(decoder_style, activation_type=None):
+        return decoder_style
+
+    sharding._vision_inner_attention_sharding = decoder_layout
 
 
 def _keep_bank_gradient_of_rows_held_elsewhere() -> None:

@@ -51,6 +51,12 @@ from ..training_runs import checkpoint_path, checkpoint_tensors, run_job
 # The first moments are compared after this step (``CP_BOUNDS``'s moment step).
 SAVE_STEP = CP_BOUNDS["moment_step"]
 RESUMED_STEPS = list(range(SAVE_STEP + 1, STEPS + 1))
+# FSDP2 x CP2 against FSDP2 at the late steps: 8x the control's running max.
+# Measured over 10 steps: |dgrad_norm| at most 5.96e-7 (step 8, ~10 ulps of
+# the grad norm) against the control's 1.19e-7, a ratio of 5: CP's chunked
+# attention reorders sums that two accumulated microbatches leave alone. The
+# packed suite's pairs stay within 2x of theirs (``CP_BOUNDS``' 4x).
+FSDP2_CONTROL_FACTOR = 8.0
 # A rank's death must end the job well within the collectives' timeout.
 TRAIN_TIMEOUT_S = 120
 
@@ -178,7 +184,7 @@ def test_fsdp2_cp2_matches_fsdp2(runs):
         expected_steps=STEPS,
     )
     assert control.passed, control.failures
-    loss_tol, grad_norm_tol = cp_step_tolerances(control.rows)
+    loss_tol, grad_norm_tol = cp_step_tolerances(control.rows, FSDP2_CONTROL_FACTOR)
     pair = compare(
         fsdp2,
         _scalars(runs.uninterrupted("fsdp2_cp2")),

@@ -141,7 +141,7 @@ def _shard_on_rank(cp: int, batch: dict[str, torch.Tensor]) -> dict:
             post_process,
             input_dict,
             labels,
-            VisionGeometry(spatial_merge_size=MERGE, patch_dim=PATCH_DIM),
+            VisionGeometry(spatial_merge_size=MERGE, patch_dim=PATCH_DIM, vision_dim=8),
         )
         local_bank = extra["vision_bank_indices"]
         where = f"rank {rank}, cp={cp}, balancer={balancer}"

@@ -7,7 +7,6 @@ rows over every rank's tokens: a forward gather whose backward only slices
 the local rows would drop what other ranks' tokens contributed.
 """
 
-import pytest
 import spmd_types as spmd
 import torch
 import torch.distributed as dist
@@ -65,11 +64,8 @@ def _exchange_on_rank(
     return bank_TD.detach(), local_RD.grad, splits
 
 
-@pytest.mark.parametrize(
-    "rows_per_rank",
-    [[3, 5], [4, 0, 7, 1]],  # uneven shares; a rank with none (a blank image's)
-)
-def test_exchange_matches_one_process(rows_per_rank):
+def test_exchange_matches_one_process():
+    rows_per_rank = [4, 0, 7, 1]  # uneven shares; a rank with none (a blank's)
     bank_TD, grads = _reference(rows_per_rank)
     costs = [5, 1, 9, 9, 2, 30, 1]
     results = run_on_ranks(

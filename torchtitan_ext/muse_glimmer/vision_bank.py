@@ -207,10 +207,11 @@ def cp_vision_share(
     For the CPU batch: it reads ``grid_thw`` on the host. Every rank of the CP
     group holds the same batch and computes the same split.
     """
-    grid = grid_thw_N3.tolist()
-    costs = [image_encoding_cost(t * h * w, vision_dim) for t, h, w in grid]
-    ranges = split_images_over_cp(costs, cp_degree)
-    rows_N = tokens_per_image(grid_thw_N3, spatial_merge_size).tolist()
+    patches_N = [t * h * w for t, h, w in grid_thw_N3.tolist()]
+    ranges = split_images_over_cp(
+        [image_encoding_cost(p, vision_dim) for p in patches_N], cp_degree
+    )
+    rows_N = [p // spatial_merge_size**2 for p in patches_N]  # tokens_per_image
     return CpVisionShare(
         image_range=ranges[cp_rank],
         rows_per_rank=tuple(sum(rows_N[a:b]) for a, b in ranges),

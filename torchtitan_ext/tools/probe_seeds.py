@@ -23,8 +23,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from torchtitan_ext.tools.parity.launch import REPO_ROOT, RUN_TRAIN, launch_run
+from torchtitan_ext.tools.parity.launch import REPO_ROOT, RUN_TRAIN, RunSpec, launch_run
 from torchtitan_ext.tools.vision_probe import (
+    HELDOUT_SEED,
+    LEARNED_MARGIN,
     probe_training_args,
     run_probe,
     seed_checkpoint_args,
@@ -32,19 +34,15 @@ from torchtitan_ext.tools.vision_probe import (
 
 __all__ = ["main"]
 
-HELDOUT_SEED = 9876
-# Half the smallest held-out gap of the fp32 probe test's runs (0.091).
-DEFAULT_MARGIN = 0.045
 _JOBS = {"fsdp2": 2, "fsdp2_cp2": 4, "cp2": 2, "packed": 1}
 
 
 def _train(out: Path, name: str, toml: str, ngpu: int, args: list[str]) -> Path:
     dump = out / name
-    config_file = REPO_ROOT / "train_configs" / toml
-    job_env = {"NGPU": str(ngpu), "CONFIG_FILE": str(config_file)}
+    job = RunSpec(config_file=str(REPO_ROOT / "train_configs" / toml), ngpu=ngpu)
     record = launch_run(
         name,
-        job_env,
+        job.job_env(),
         [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
         out / f"{name}.log",
         timeout=3600,
@@ -80,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fp32", action="store_true", help="float32 parameters instead of bf16"
     )
-    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
+    parser.add_argument("--margin", type=float, default=LEARNED_MARGIN)
     return parser
 
 

@@ -14,6 +14,8 @@ image's rows off by one past a shard boundary, moves the step-2 loss by 1.9e-6,
 the grad norm by 1.5e-4 and a first moment by 0.75 of its tensor's scale.
 """
 
+import dataclasses
+import itertools
 import os
 from pathlib import Path
 
@@ -38,6 +40,7 @@ __all__ = [
     "upstream_data_options",
     "assert_passed",
     "cp_step_tolerances",
+    "images_per_batch",
     "maxima",
     "moments_line",
     "output_dir",
@@ -162,3 +165,47 @@ def cp_step_tolerances(
         control=control,
         control_factor=control_factor,
     )
+
+
+def images_per_batch(
+    assets,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    batches: int,
+    packed: bool = True,
+    dp_world_size: int = 1,
+    dp_rank: int = 0,
+) -> list[int]:
+    """Images in each batch one DP rank trains on, in order, from the jobs' loader."""
+    from torchtitan.components.tokenizer import MultiModalTokenizer
+    from torchtitan.models.muse_glimmer.config_registry import (
+        MUSE_GLIMMER_SPECIAL_TOKENS,
+    )
+
+    from torchtitan_ext.muse_glimmer.config_registry import (
+        muse_glimmer_debugmodel_mm_packed,
+    )
+
+    tokenizer = MultiModalTokenizer.Config(**MUSE_GLIMMER_SPECIAL_TOKENS).build(
+        tokenizer_path=str(assets.tokenizer_dir)
+    )
+    config = muse_glimmer_debugmodel_mm_packed().dataloader
+    config = dataclasses.replace(
+        config,
+        dataset=assets.dataset,
+        dataset_path=str(assets.dataset_dir),
+        packing_buffer_size=config.packing_buffer_size if packed else 0,
+    )
+    loader = config.build(
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+    )
+    counts = []
+    for batch, _ in itertools.islice(loader, batches):
+        grid_thw = batch["grid_thw"]
+        counts.append(0 if grid_thw is None else grid_thw.shape[0])
+    return counts

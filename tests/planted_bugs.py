@@ -105,11 +105,38 @@ def _keep_bank_gradient_of_rows_held_elsewhere() -> None:
     model._WriteVisionRows.backward = staticmethod(backward)
 
 
+def _keep_local_rows_in_exchange_backward() -> None:
+    """Sharded vision's exchange: an all-gather whose backward keeps the local slice.
+
+    Megatron-Bridge shipped this (PR 4784): the gradient that other CP ranks'
+    tokens send to a rank's image rows is dropped instead of reduce-scattered.
+    """
+    import spmd_types as spmd
+
+    from torchtitan_ext.muse_glimmer import model
+
+    exchange = model.exchange_vision_rows
+    all_gather = spmd.all_gather
+
+    def gather_with_local_backward(*args, **kwargs):
+        return all_gather(*args, **{**kwargs, "dst": spmd.I})
+
+    def local_backward_exchange(*args, **kwargs):
+        spmd.all_gather = gather_with_local_backward
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            spmd.all_gather = all_gather
+
+    model.exchange_vision_rows = local_backward_exchange
+
+
 PLANTED_BUGS = {
     "image_rows_off_by_one_at_a_shard_boundary": _rows_off_by_one_at_a_boundary,
     "bank_indices_sharded_contiguously": _shard_bank_indices_contiguously,
     "vision_kv_all_gathered_over_cp": _all_gather_vision_kv_over_cp,
     "bank_gradient_of_rows_held_elsewhere": _keep_bank_gradient_of_rows_held_elsewhere,
+    "exchange_backward_keeps_local_rows": _keep_local_rows_in_exchange_backward,
 }
 
 

@@ -4,13 +4,16 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from ..training_runs import REPO
 from ..unit.test_validator import dataset_with_stray_placeholder
 
 TIMEOUT_S = 300
 
 
-def test_mismatch_fails_all_cp_ranks_with_both_counts(tmp_path):
+@pytest.mark.parametrize("vision", ["replicated", "sharded"])
+def test_mismatch_fails_all_cp_ranks_with_both_counts(tmp_path, vision):
     dataset = dataset_with_stray_placeholder(tmp_path / "data")
     env = {**os.environ, "NGPU": "2", "LOG_RANK": "0,1"}
     env["CONFIG_FILE"] = str(REPO / "train_configs" / "cp2.toml")
@@ -23,6 +26,7 @@ def test_mismatch_fails_all_cp_ranks_with_both_counts(tmp_path):
             "--dataloader.packing_buffer_size=0",
             "--training.seq_len=256",
             "--training.steps=3",
+            f"--parallelism.context_parallel_vision={vision}",
         ],
         env=env,
         cwd=tmp_path,

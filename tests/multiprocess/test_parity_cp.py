@@ -3,13 +3,15 @@
 One suite trains the 1-rank packed baseline once from one seed checkpoint;
 every CP job is compared with it, and also with its sharpest baseline, a
 job without CP that computes the same global batch (TP2+SP for TP2+CP2+SP,
-PP2 for CP2xPP2, TP2xPP2+SP for TP2xCP2xPP2+SP). The same comparison holds
-each run to ``CP_BOUNDS``: tight bounds over steps 1-2, later steps bounded
-by the TP2+SP run (the same math as 1 rank, reordered across ranks), and
-every parameter's first moment after step 2. Four bugs a CP change could
-ship are planted in runs of the same suite (``tests/planted_bugs.py``); each
-must be flagged. FSDP2xCP2 is compared with FSDP2 in ``test_resume.py``, on
-the runs it resumes from: two data ranks read other samples than one rank.
+PP2 for CP2xPP2, TP2xPP2+SP for TP2xCP2xPP2+SP). A job with sharded vision
+is compared with 1 rank and with the same job in replicated mode. The same
+comparison holds each run to ``CP_BOUNDS``: tight bounds over steps 1-2,
+later steps bounded by the TP2+SP run (the same math as 1 rank, reordered
+across ranks), and every parameter's first moment after step 2. Five bugs a
+CP change could ship are planted in runs of the same suite
+(``tests/planted_bugs.py``); each must be flagged. FSDP2xCP2 is compared
+with FSDP2 in ``test_resume.py``, on the runs it resumes from: two data
+ranks read other samples than one rank.
 TP2xCP2xPP2+SP's resume is checked here, on its suite run (8 ranks are the
 costliest run of CI).
 """
@@ -46,20 +48,29 @@ from ..training_runs import REPO
 
 CONTROL = "tp2_sp"
 HEADTAIL = "--parallelism.context_parallel_load_balancer headtail"
+SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
 
 
-def _registry_job(job: str, ngpu: int) -> RunSpec:
+def _registry_job(job: str, ngpu: int, options: str = "") -> RunSpec:
     """A registry job ``muse_glimmer_debugmodel_mm_<job>`` (no TOML file)."""
     return RunSpec(
         module="torchtitan_ext.muse_glimmer",
         config=f"muse_glimmer_debugmodel_mm_{job}",
+        options=options,
         ngpu=ngpu,
     )
 
 
+# The CP2 options a planted bug needs to show (default: cp2.toml's own).
+PLANTED_BUG_OPTIONS = {
+    "image_rows_off_by_one_at_a_shard_boundary": HEADTAIL,
+    "exchange_backward_keeps_local_rows": SHARDED_VISION,
+}
+
+
 def _planted(bug: str) -> ParityCase:
     """CP2 with ``bug`` planted, 2 steps: the tight bounds and the moments judge."""
-    spec = toml_spec("cp2.toml", 2, HEADTAIL if bug.startswith("image_rows") else "")
+    spec = toml_spec("cp2.toml", 2, PLANTED_BUG_OPTIONS.get(bug, ""))
     spec.env = {
         "TRAIN_FILE": "tests.planted_bugs",
         "TORCHTITAN_EXT_PLANTED_BUG": bug,
@@ -70,8 +81,11 @@ def _planted(bug: str) -> ParityCase:
 
 # Sharpest baseline of each CP job, when it is not the 1-rank run.
 SHARPEST = {
-    # The same job with every CP rank encoding every image.
-    "cp2_sharded_vision": "cp2_ptrr_typechecked",
+    # Sharded vision: the same job with every CP rank encoding every image.
+    "cp2_sharded_vision_typechecked": "cp2_ptrr_typechecked",
+    "cp4_sharded_vision": "cp4_ptrr",
+    "tp2_cp2_sp_sharded_vision_typechecked": "tp2_cp2_sp_typechecked",
+    "cp2_pp2_sharded_vision": "cp2_pp2",
     "tp2_cp2_sp_typechecked": "tp2_sp",
     "cp2_pp2": "pp2",
     "cp2_pp2_interleaved": "pp2",
@@ -84,11 +98,16 @@ CP_JOBS = {
         "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
     ),
     "cp4_ptrr": toml_spec("cp4.toml", 4),
-    "cp2_sharded_vision": toml_spec(
-        "cp2.toml", 2, "--parallelism.context_parallel_vision sharded"
+    "cp2_sharded_vision_typechecked": _registry_job(
+        "cp2_typechecked", 2, SHARDED_VISION
     ),
+    "cp4_sharded_vision": toml_spec("cp4.toml", 4, SHARDED_VISION),
     "tp2_cp2_sp_typechecked": _registry_job("tp2_cp2_sp_typechecked", 4),
+    "tp2_cp2_sp_sharded_vision_typechecked": _registry_job(
+        "tp2_cp2_sp_typechecked", 4, SHARDED_VISION
+    ),
     "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
+    "cp2_pp2_sharded_vision": toml_spec("cp2_pp2.toml", 4, SHARDED_VISION),
     "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),
     "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),
 }

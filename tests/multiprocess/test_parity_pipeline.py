@@ -7,14 +7,12 @@ the 1-rank baseline sees the same rows in the same step. The packed PP jobs
 with images (PP2, CP2xPP2, TP2xCP2xPP2+SP) are in ``test_parity_cp.py``.
 """
 
-import dataclasses
-import itertools
-
 from torchtitan_ext.tools.parity import RunSpec
 
 from ..parity_suites import (
     STEPS,
     assert_passed,
+    images_per_batch,
     run_suite,
     toml_spec,
 )
@@ -30,35 +28,14 @@ def _no_image_data(assets) -> str:
 
 def _images_per_row(assets, dp_world_size: int, dp_rank: int, rows: int) -> list[int]:
     """Images in each packed row one DP rank trains on, in order (microbatch 1)."""
-    from torchtitan.components.tokenizer import MultiModalTokenizer
-    from torchtitan.models.muse_glimmer.config_registry import (
-        MUSE_GLIMMER_SPECIAL_TOKENS,
-    )
-
-    from torchtitan_ext.muse_glimmer.config_registry import (
-        muse_glimmer_debugmodel_mm_packed,
-    )
-
-    tokenizer = MultiModalTokenizer.Config(**MUSE_GLIMMER_SPECIAL_TOKENS).build(
-        tokenizer_path=str(assets.tokenizer_dir)
-    )
-    config = dataclasses.replace(
-        muse_glimmer_debugmodel_mm_packed().dataloader,
-        dataset=assets.dataset,
-        dataset_path=str(assets.dataset_dir),
-    )
-    loader = config.build(
-        dp_world_size=dp_world_size,
-        dp_rank=dp_rank,
-        tokenizer=tokenizer,
+    return images_per_batch(
+        assets,
         seq_len=256,
         local_batch_size=1,
+        batches=rows,
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
     )
-    counts = []
-    for batch, _ in itertools.islice(loader, rows):
-        grid_thw = batch["grid_thw"]
-        counts.append(0 if grid_thw is None else grid_thw.shape[0])
-    return counts
 
 
 def test_without_images_cp2_pp2_and_fsdp2_pp2(

@@ -10,13 +10,23 @@ import subprocess
 
 import pytest
 
-from torchtitan_ext.tools.parity import ParityCase, read_tb_scalars
+from torchtitan_ext.tools.parity import (
+    ParityCase,
+    compare,
+    compare_first_moments,
+    per_step_tolerances,
+    read_tb_scalars,
+)
 
 from ..parity_suites import (
+    GRAD_NORM_TOL,
+    LOSS_TOL,
     STEPS,
     TIMEOUT_S,
     UNPACKED,
     assert_passed,
+    images_per_batch,
+    maxima,
     run_suite,
     toml_spec,
     upstream_spec,
@@ -31,6 +41,7 @@ CP2_PTRR = (
     "--parallelism.context_parallel_load_balancer ptrr "
     "--parallelism.context_parallel_ptrr_mask_key global"
 )
+SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
 
 
 def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
@@ -80,6 +91,84 @@ def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
         if ".vision_" in key
     ]
     assert vision, "no vision parameter's first moment was compared"
+
+
+# Unpacked rows of 512 tokens (CP4's smallest valid length), one image each.
+UNPACKED_512 = "--training.seq_len 512 --training.local_batch_size 2"
+CP4_PTRR = CP2_PTRR.replace("degree 2", "degree 4")
+
+
+def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
+    tmp_path, embedded_assets, seed_checkpoint
+):
+    """Two images a step over four CP ranks: two ranks encode a blank image.
+
+    Sharded vision gives ranks 0 and 1 an image each and ranks 2 and 3 an
+    empty share; CP4 with sharded vision must still match 1 rank and the
+    replicated CP4 run, by the unpacked suite's rules (its docstring says why
+    unpacked rows need the gradient-accumulation control); sharded against
+    replicated by the same per-step bounds and first moments.
+    """
+    images = images_per_batch(
+        embedded_assets, seq_len=512, local_batch_size=2, batches=STEPS, packed=False
+    )
+    assert all(0 < n < 4 for n in images), images
+    results = run_suite(
+        tmp_path,
+        "unpacked_cp4",
+        toml_spec("default.toml", 1, UNPACKED_512),
+        {
+            "grad_accum_control": toml_spec(
+                "default.toml",
+                1,
+                "--training.seq_len 512 --training.local_batch_size 1 "
+                "--training.global_batch_size 2",
+            ),
+            **{
+                name: ParityCase(
+                    toml_spec("default.toml", 4, f"{UNPACKED_512} {CP4_PTRR} {mode}"),
+                    control="grad_accum_control",
+                )
+                for name, mode in (
+                    ("cp4_replicated_vision", ""),
+                    ("cp4_sharded_vision", SHARDED_VISION),
+                )
+            },
+        },
+        seed_checkpoint=seed_checkpoint,
+        tight_steps=0,
+        control_factor=1.0,
+        moment_step=2,
+        moment_tol=GRAD_REL_TOL,
+    )
+    assert_passed(results)
+    replicated, sharded = (
+        results[f"cp4_{mode}_vision"] for mode in ("replicated", "sharded")
+    )
+    loss_tol, grad_norm_tol = per_step_tolerances(
+        loss_tol=LOSS_TOL,
+        grad_norm_tol=GRAD_NORM_TOL,
+        steps=STEPS,
+        tight_steps=0,
+        control=results["grad_accum_control"].rows,
+        control_factor=1.0,
+    )
+    pair = compare(
+        replicated.test,
+        sharded.test,
+        loss_tol=loss_tol,
+        grad_norm_tol=grad_norm_tol,
+        expected_steps=STEPS,
+    )
+    moments = compare_first_moments(
+        replicated.checkpoint, sharded.checkpoint, tol=GRAD_REL_TOL
+    )
+    print(
+        f"unpacked_cp4 replicated vs sharded: {maxima(pair)}, "
+        f"first moments max {moments.max_error:.3e}"
+    )
+    assert pair.passed, pair.failures
+    assert moments.passed, moments.failures
 
 
 @pytest.mark.parametrize(

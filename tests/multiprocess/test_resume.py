@@ -66,6 +66,9 @@ JOBS = {
     "tp2_sp": toml_spec("tp2_sp.toml", 2),
     "fsdp2": toml_spec("fsdp2.toml", 2),
     "fsdp2_cp2": toml_spec("fsdp2_cp2.toml", 4),
+    "fsdp2_cp2_sharded_vision": toml_spec(
+        "fsdp2_cp2.toml", 4, "--parallelism.context_parallel_vision sharded"
+    ),
     # FSDP2 with two accumulated microbatches per rank: FSDP2xCP2's control.
     "fsdp2_grad_accum": toml_spec(
         "fsdp2.toml", 2, "--training.local_batch_size 1 --training.global_batch_size 4"
@@ -169,11 +172,20 @@ def test_uninterrupted_plugin_is_bitwise_upstream(runs):
     _assert_bitwise(got, want, list(range(1, STEPS + 1)))
 
 
-def test_fsdp2_cp2_matches_fsdp2(runs):
-    """FSDP2 x CP2 vs FSDP2 (two data ranks) by the CP suites' bounds.
+@pytest.mark.parametrize(
+    ("baseline", "job", "control_factor"),
+    [
+        ("fsdp2", "fsdp2_cp2", FSDP2_CONTROL_FACTOR),
+        ("fsdp2", "fsdp2_cp2_sharded_vision", FSDP2_CONTROL_FACTOR),
+        ("fsdp2_cp2", "fsdp2_cp2_sharded_vision", CP_BOUNDS["control_factor"]),
+    ],
+)
+def test_fsdp2_cp2_matches_its_baseline(runs, baseline, job, control_factor):
+    """FSDP2 x CP2 vs FSDP2 (two data ranks), and sharded vs replicated vision.
 
-    On the runs resumed from; the late steps are bounded by FSDP2 with two
-    accumulated microbatches, the same math reordered.
+    By the CP suites' bounds, on the runs resumed from; the late steps are
+    bounded by FSDP2 with two accumulated microbatches, the same math
+    reordered.
     """
     fsdp2 = _scalars(runs.uninterrupted("fsdp2"))
     control = compare(
@@ -184,21 +196,21 @@ def test_fsdp2_cp2_matches_fsdp2(runs):
         expected_steps=STEPS,
     )
     assert control.passed, control.failures
-    loss_tol, grad_norm_tol = cp_step_tolerances(control.rows, FSDP2_CONTROL_FACTOR)
+    loss_tol, grad_norm_tol = cp_step_tolerances(control.rows, control_factor)
     pair = compare(
-        fsdp2,
-        _scalars(runs.uninterrupted("fsdp2_cp2")),
+        _scalars(runs.uninterrupted(baseline)),
+        _scalars(runs.uninterrupted(job)),
         loss_tol=loss_tol,
         grad_norm_tol=grad_norm_tol,
         expected_steps=STEPS,
     )
     moments = compare_first_moments(
-        checkpoint_path(runs.uninterrupted("fsdp2"), SAVE_STEP),
-        checkpoint_path(runs.uninterrupted("fsdp2_cp2"), SAVE_STEP),
+        checkpoint_path(runs.uninterrupted(baseline), SAVE_STEP),
+        checkpoint_path(runs.uninterrupted(job), SAVE_STEP),
         tol=CP_BOUNDS["moment_tol"],
     )
     print(
-        f"fsdp2 vs fsdp2_cp2: max|dloss|={pair.max_dloss:.3e} "
+        f"{baseline} vs {job}: max|dloss|={pair.max_dloss:.3e} "
         f"max|dgrad_norm|={pair.max_dgrad_norm:.3e}, first moments max "
         f"{moments.max_error:.3e}; control max|dgrad_norm|={control.max_dgrad_norm:.3e}"
     )
@@ -213,6 +225,8 @@ def test_fsdp2_cp2_matches_fsdp2(runs):
         ("cp2", "tp2_sp"),
         ("fsdp2", "fsdp2_cp2"),
         ("fsdp2_cp2", "fsdp2"),
+        ("fsdp2_cp2", "fsdp2_cp2_sharded_vision"),
+        ("fsdp2_cp2_sharded_vision", "fsdp2_cp2"),
     ],
 )
 def test_resume_across_topologies(runs, source, job):
@@ -220,7 +234,9 @@ def test_resume_across_topologies(runs, source, job):
 
     DCP reshards model and optimizer state; the dataloader position carries over
     when the data-parallel degree does not change (torchtitan cannot reshard it),
-    so FSDP2 pairs with FSDP2 x CP2, and the other jobs have one data rank.
+    so FSDP2 pairs with FSDP2 x CP2, and the other jobs have one data rank. The
+    vision modes share their checkpoints: replicated continues as sharded and
+    back.
     """
     resumed = _scalars(runs.resumed(job, source))
     _assert_close(resumed, _scalars(runs.uninterrupted(job)), RESUMED_STEPS)

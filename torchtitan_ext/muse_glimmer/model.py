@@ -1,5 +1,6 @@
 """muse_glimmer with vision injection by bank index, so it runs under CP."""
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ import spmd_types as spmd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchtitan.distributed.spmd_types import spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.multimodal import multimodal_context
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as _UpstreamModel
@@ -15,6 +17,7 @@ from .config_checks import check_context_parallel, check_tensor_parallel_heads
 from .sharding import (
     BANK_TYPE,
     CP,
+    DP,
     SHARDED_VISION_INPUT_TYPE,
     TOKEN_TYPE,
     VISION_INPUT_TYPE,
@@ -143,6 +146,20 @@ def exchange_vision_rows(
     )
 
 
+def cp_local_vision_context() -> contextlib.AbstractContextManager[None]:
+    """Treat dp and cp as local axes while a CP rank encodes its own images.
+
+    Upstream's ``multimodal_context`` makes dp local, since each DP rank encodes
+    its own images. With sharded vision each CP rank does too, so its vision
+    activations are ``V`` on cp with no global layout to name: cp must be a
+    local axis as well, until the exchange makes the bank ``R`` on cp.
+    """
+    if get_spmd_backend() != "spmd_types":
+        return contextlib.nullcontext()
+    local_axes = tuple(axis for axis in (DP, CP) if spmd_mesh_size(axis) > 1)
+    return spmd.set_current_mesh(local_axes=local_axes)
+
+
 class MuseGlimmerModel(_UpstreamModel):
     """torchtitan's muse_glimmer, injecting vision features by ``vision_bank_indices``.
 
@@ -150,6 +167,10 @@ class MuseGlimmerModel(_UpstreamModel):
     With sharded vision each CP rank encodes its share of the images (the
     Trainer slices them) and the projected rows are exchanged before the gather.
     """
+
+    # What ``forward`` hands to the vision methods for the duration of a call.
+    _vision_bank_indices_BL: torch.Tensor | None = None
+    _cp_vision_share: CpVisionShare | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(_UpstreamModel.Config):
@@ -185,7 +206,8 @@ class MuseGlimmerModel(_UpstreamModel):
         if get_spmd_backend() == "spmd_types":
             sharded = self.config.context_parallel_vision == "sharded"
             input_type = SHARDED_VISION_INPUT_TYPE if sharded else VISION_INPUT_TYPE
-            with multimodal_context():
+            region = cp_local_vision_context() if sharded else multimodal_context()
+            with region:
                 for name in ("pixel_values", "grid_thw"):
                     if kwargs.get(name) is not None:
                         spmd.assert_type(kwargs[name], input_type)
@@ -197,6 +219,15 @@ class MuseGlimmerModel(_UpstreamModel):
         finally:
             self._vision_bank_indices_BL = None
             self._cp_vision_share = None
+
+    def _get_vision_features(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> torch.Tensor:
+        """Upstream's encoder and adapter; on this CP rank's share when sharded."""
+        if self._cp_vision_share is None:
+            return super()._get_vision_features(pixel_values, grid_thw)
+        with cp_local_vision_context():
+            return super()._get_vision_features(pixel_values, grid_thw)
 
     def _inject_vision(
         self,
@@ -219,16 +250,22 @@ class MuseGlimmerModel(_UpstreamModel):
                 "with torchtitan_ext.muse_glimmer.build_vision_bank_indices (the "
                 "plug-in's Trainer does) before context-parallel sharding."
             )
+        share = self._cp_vision_share
+        if share is None:
+            vision_bank_TD = self._project_vision(vision_features)
+        else:
+            with cp_local_vision_context():
+                # A rank with no images of its own encoded a blank one: none of it.
+                local_rows = share.rows_per_rank[share.cp_rank]
+                vision_bank_TD = exchange_vision_rows(
+                    self._project_vision(vision_features)[:local_rows],
+                    share.rows_per_rank,
+                )
+        return gather_vision_rows(h, vision_bank_TD, vision_bank_indices_BL)
+
+    def _project_vision(self, vision_features: torch.Tensor) -> torch.Tensor:
         assert self.vision_projection is not None
         assert self.perception_emb_norm is not None
-        vision_bank_TD = self.perception_emb_norm(
+        return self.perception_emb_norm(
             self.vision_projection(vision_features)
         ).squeeze(0)
-        share = self._cp_vision_share
-        if share is not None:
-            # A rank with no images of its own encoded a blank one: none of it.
-            local_rows = share.rows_per_rank[share.cp_rank]
-            vision_bank_TD = exchange_vision_rows(
-                vision_bank_TD[:local_rows], share.rows_per_rank
-            )
-        return gather_vision_rows(h, vision_bank_TD, vision_bank_indices_BL)

@@ -9,7 +9,11 @@ over (dp_shard, cp) completes. With sharded vision
 (``parallelism.context_parallel_vision = "sharded"``) each CP rank encodes its
 own share of the images: the parameters stay ``R`` on cp, the activations are
 ``V``, until the exchange all-gathers the projected rows into the ``R`` bank.
+That region runs with cp as a local axis, as upstream runs it with dp
+(``model.cp_local_vision_context``): a ``V`` activation has no global layout.
 """
+
+import dataclasses
 
 import spmd_types as spmd
 from torchtitan.distributed.parallel_dims import MeshAxisName
@@ -130,6 +134,37 @@ def _vision_inner_attention_sharding(
     )
 
 
+def _rope_cache_built_replicated(sharding: ShardingConfig) -> ShardingConfig:
+    """The vision rope cache stays ``R`` on cp, as the encoder builds it.
+
+    The encoder makes it in its forward from host grids, and a new tensor is
+    ``R`` on every axis it is not annotated on (upstream annotates dp and tp).
+    With sharded vision each CP rank's cache describes its own images, so this
+    type is looser than the value; converting it to ``V`` would change cp and
+    tp in one input redistribution, which torchtitan does not support. The
+    cache carries no gradient and meets only local ops (rope on ``V`` q/k is
+    ``V``), so nothing relies on the looser claim.
+    """
+
+    def replicated_on_cp(layouts):
+        if not layouts or "rope_cache" not in layouts:
+            return layouts
+        layout = layouts["rope_cache"]
+        return {
+            **layouts,
+            "rope_cache": SpmdLayout(
+                {**layout.axis_types, CP: spmd.R},
+                partition_spec=layout.partition_spec,
+            ),
+        }
+
+    return dataclasses.replace(
+        sharding,
+        in_src_shardings=replicated_on_cp(sharding.in_src_shardings),
+        in_dst_shardings=replicated_on_cp(sharding.in_dst_shardings),
+    )
+
+
 def set_cp_vision_sharding_config(model_config, *, sharded: bool = False) -> None:
     """Declare the vision modules' cp types (a no-op axis when cp == 1).
 
@@ -147,6 +182,9 @@ def set_cp_vision_sharding_config(model_config, *, sharded: bool = False) -> Non
                     config.sharding_config, activation_type
                 )
         for _, attention, _, _ in module_config.traverse(VisionAttention.Config):
+            attention.sharding_config = _rope_cache_built_replicated(
+                attention.sharding_config
+            )
             inner = attention.inner_attention
             inner.sharding_config = _vision_inner_attention_sharding(
                 inner.sharding_config, activation_type

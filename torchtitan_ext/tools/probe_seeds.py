@@ -34,16 +34,37 @@ from torchtitan_ext.tools.vision_probe import (
 
 __all__ = ["main"]
 
-_JOBS = {"fsdp2": 2, "fsdp2_cp2": 4, "cp2": 2, "packed": 1}
+_SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
+# Job name: its TOML file, ranks and extra flags.
+_JOBS = {
+    "fsdp2": ("fsdp2.toml", 2, ""),
+    "fsdp2_cp2": ("fsdp2_cp2.toml", 4, ""),
+    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", 4, _SHARDED_VISION),
+    "cp2": ("cp2.toml", 2, ""),
+    "cp2_sharded_vision": ("cp2.toml", 2, _SHARDED_VISION),
+    "packed": ("packed.toml", 1, ""),
+    # Reorder controls for FSDP2 x CP2: the same global batch, other rounding.
+    "fsdp2_tp2_sp": ("fsdp2.toml", 4, "--parallelism.tensor_parallel_degree 2"),
+    "fsdp2_cp2_headtail": (
+        "fsdp2_cp2.toml",
+        4,
+        "--parallelism.context_parallel_load_balancer headtail",
+    ),
+}
 
 
-def _train(out: Path, name: str, toml: str, ngpu: int, args: list[str]) -> Path:
+def _train(out: Path, name: str, job: str, args: list[str]) -> Path:
     dump = out / name
-    job = RunSpec(config_file=str(REPO_ROOT / "train_configs" / toml), ngpu=ngpu)
+    toml, ngpu, options = _JOBS[job]
+    job = RunSpec(
+        config_file=str(REPO_ROOT / "train_configs" / toml),
+        ngpu=ngpu,
+        options=options,
+    )
     record = launch_run(
         name,
         job.job_env(),
-        [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
+        [str(RUN_TRAIN), f"--dump_folder={dump}", *job.option_args(), *args],
         out / f"{name}.log",
         timeout=3600,
         echo=False,
@@ -57,10 +78,10 @@ def _checkpoint(dump: Path, step: int) -> Path:
     return dump / "checkpoint" / f"step-{step}"
 
 
-def _trained(out: Path, name: str, toml: str, ngpu: int, args, step: int) -> Path:
+def _trained(out: Path, name: str, job: str, args, step: int) -> Path:
     checkpoint = _checkpoint(out / name, step)
     if not (checkpoint / ".metadata").is_file():
-        _train(out, name, toml, ngpu, args)
+        _train(out, name, job, args)
     return checkpoint
 
 
@@ -89,16 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in args.seeds:
         seed_ckpt = _trained(
-            out, f"seed{seed}", "packed.toml", 1, seed_checkpoint_args(seed), 0
+            out, f"seed{seed}", "packed", seed_checkpoint_args(seed), 0
         )
         train_args = probe_training_args(
             steps=args.steps, seed_checkpoint=seed_ckpt, fp32=args.fp32, seed=seed
         )
         for job in args.jobs:
             name = f"{job}_seed{seed}"
-            checkpoint = _trained(
-                out, name, f"{job}.toml", _JOBS[job], train_args, args.steps
-            )
+            checkpoint = _trained(out, name, job, train_args, args.steps)
             embedded = run_probe(checkpoint)
             heldout = run_probe(checkpoint, heldout_seed=HELDOUT_SEED)
             rows.append(
@@ -131,15 +150,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _HEADER = (
-    "seed | job       | true emb | shuf emb | gap emb | true held | shuf held "
-    "| gap held | learned"
+    f"seed | {'job':<24} | true emb | shuf emb | gap emb | true held "
+    "| shuf held | gap held | learned"
 )
 
 
 def _format_row(row: dict) -> str:
     e, h = row["embedded"], row["heldout"]
     return (
-        f"{row['seed']:>4} | {row['job']:<9} | {e['true_loss']:8.4f} | "
+        f"{row['seed']:>4} | {row['job']:<24} | {e['true_loss']:8.4f} | "
         f"{e['shuffled_loss']:8.4f} | {e['difference']:+7.4f} | "
         f"{h['true_loss']:9.4f} | {h['shuffled_loss']:9.4f} | "
         f"{h['difference']:+8.4f} | {'yes' if row['learned'] else 'no'}"

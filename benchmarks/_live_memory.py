@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveMemory"]
+__all__ = ["LiveMemory", "graph_nodes"]
 
 
 def _plain_tensors(value) -> Iterable[torch.Tensor]:
@@ -59,7 +59,7 @@ def _storages(value) -> dict[int, torch.UntypedStorage]:
     return storages
 
 
-def _graph_nodes(outputs, stop: set) -> list:
+def graph_nodes(outputs, stop: set) -> list:
     """Autograd nodes from ``outputs`` back to (excluding) the nodes in ``stop``."""
     roots = [t.grad_fn for t in _plain_tensors(outputs) if t.grad_fn is not None]
     seen: dict[int, object] = {}
@@ -126,7 +126,7 @@ class LiveMemory(TorchDispatchMode):
     def _exit_vision(self, module, args, kwargs, output) -> None:
         self._vision_depth -= 1
         stop = module.__dict__.pop("_live_memory_input_nodes", set())
-        for node in _graph_nodes(output, stop):
+        for node in graph_nodes(output, stop):
             self._vision_nodes[id(node)] = node
 
     def _category(self) -> str:

@@ -1,12 +1,21 @@
-"""Peak tensor memory per rank of one training step, CP1 vs CP2 vs CP4.
+"""Peak tensor memory per rank of one training step, CP1 vs CP2 vs CP4, by vision mode.
 
-Each CP degree runs under torchrun on gloo ranks with the real stack: the
-plug-in's ``MuseGlimmerTrainer`` built from the registry job
-``muse_glimmer_debugmodel_mm_packed`` with ``--parallelism.context_parallel_degree
-N`` (for N = 2 that is ``muse_glimmer_debugmodel_mm_cp2``: ptrr balancer,
-FSDP over cp, selective AC), and one ``train_step`` (forward, backward,
-optimizer) on a synthetic batch of one ``--seq-len`` row holding ``--images``
-images of ``--tokens-per-image`` placeholders each, spread evenly.
+Each CP degree runs under torchrun on gloo ranks with the real stack
+(``_cp_degrees``: the plug-in's ``MuseGlimmerTrainer`` of the registry job
+``muse_glimmer_debugmodel_mm_packed`` at ``--parallelism.context_parallel_degree
+N``), and one ``train_step`` (forward, backward, optimizer) per measurement on
+a synthetic row of ``--seq-len`` tokens holding ``--images`` images of
+``--tokens-per-image`` placeholders each, spread evenly.
+
+Each launch measures every ``--vision`` mode (``parallelism.context_parallel_vision``:
+``replicated``, every CP rank encodes all images; ``sharded``, each encodes a
+cost-balanced share and the ranks exchange the projected rows), switching the
+built Trainer between them (``_vision_modes.set_vision_mode``: with the
+spmd_types backend and no type checking the two attributes it sets are the
+whole difference). A batch gets its share of the images through the Trainer's
+``batch_generator``, as in training. Rows are per (CP, images, mode), ratios
+against CP1 in the same mode; at CP1 the modes coincide (no share without CP),
+so CP1 is measured once and stands for both.
 
 Memory is *allocated tensor storage*, not RSS: ``_live_memory.LiveMemory``
 (a ``TorchDispatchMode``) counts every storage an op creates until it dies,
@@ -14,131 +23,49 @@ filed by phase and region (vision modules ``VISION_MODULE_FQNS`` or decoder):
 
 - decoder / vision activations: peak live bytes allocated in forward (the
   activations saved for backward, plus forward temporaries), without the
-  attention kernel's scratch;
+  attention kernel's scratch; total: their sum, on the rank where it is largest;
 - attention scratch: the eager dense flex kernel of the CPU backend builds
   [B, H, Lq, Lk] fp32 score matrices (GiBs at 8192 tokens) that a fused GPU
   kernel never stores; peak over forward and backward, its own column;
 - step peak: parameters, gradients and optimizer state (this rank's shards)
-  plus the peak of everything the step allocated (scratch included).
-
-The debug model is changed only where the long sequence needs it: RoPE
-tables sized to ``--seq-len`` (the flavor stops at 4096) and ``--layers``
-decoder layers (the flavor's 8; 4 keep one window pattern).
+  plus the peak of everything the step allocated (scratch included);
+- exchange (sharded): the bytes its collectives move per rank
+  (``_vision_modes.ExchangeBytes``: the forward all-gather's output, the
+  backward float32 reduce-scatter's input, and what a ring sends per rank),
+  beside the vision activation bytes the mode saves per rank. The exchange runs
+  in the model's ``_inject_vision``, outside the vision modules, so its padded
+  block, the gathered blocks and the whole bank count as *decoder* activations
+  (in replicated mode the bank is the vision norm's output: vision).
 
     python benchmarks/memory_per_rank.py                  # table + JSON
     python benchmarks/memory_per_rank.py --seq-len 512 --cp 1 2 --images 1 4
 """
 
 import argparse
-import dataclasses
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
+import _cp_degrees  # benchmarks/, first on sys.path when run as a script
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_JSON = REPO / "outputs" / "benchmarks" / "memory_per_rank.json"
-MIB = 2**20
+from _cp_degrees import MIB
+from _vision_modes import ExchangeBytes, modes_at, set_vision_mode, with_vision_share
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--images", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--tokens-per-image", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser = _cp_degrees.parser(
+        __doc__,
+        seq_len=8192,
+        cp=[1, 2, 4],
+        images=[1, 16, 64],
+        json_name="memory_per_rank.json",
+    )
+    args = _cp_degrees.parse(parser, argv)
     if args.cp[0] != 1:
         parser.error(
             f"--cp must start with 1 (the baseline of the ratios); got {args.cp}"
         )
-    side = round(args.tokens_per_image**0.5)
-    if side * side != args.tokens_per_image:
-        parser.error(
-            f"--tokens-per-image must be a square; got {args.tokens_per_image}"
-        )
-    for images in args.images:
-        if images < 1 or 2 * images * args.tokens_per_image > args.seq_len:
-            parser.error(
-                f"--images {images} x --tokens-per-image {args.tokens_per_image} "
-                f"must be >= 1 image and fill at most half of --seq-len {args.seq_len}"
-            )
     return args
 
 
 # ---------------------------------------------------------------- worker side
-
-
-def _job_args(args: argparse.Namespace, cp: int, dump: str) -> list[str]:
-    return [
-        *("--module", "torchtitan_ext.muse_glimmer"),
-        *("--config", "muse_glimmer_debugmodel_mm_packed"),
-        *("--parallelism.context_parallel_degree", str(cp)),
-        *("--training.seq_len", str(args.seq_len)),
-        *("--training.local_batch_size", "1"),
-        # FSDP (every CP > 1 job) would compute in bf16, CP1 in fp32.
-        *("--training.mixed_precision_param", "float32"),
-        *("--dump_folder", dump),
-    ]
-
-
-def _fit_model(model_config, seq_len: int, layers: int) -> None:
-    if not 1 <= layers <= len(model_config.layers):
-        raise ValueError(
-            f"--layers {layers} must be in 1..{len(model_config.layers)} "
-            "(the flavor's decoder layers)"
-        )
-    model_config.layers = model_config.layers[:layers]
-    for layer in model_config.layers:
-        layer.attention.rope = dataclasses.replace(
-            layer.attention.rope,
-            max_seq_len=max(seq_len, layer.attention.rope.max_seq_len),
-        )
-
-
-def _batch(trainer, seq_len: int, images: int, tokens_per_image: int):
-    """One row: text, with ``images`` evenly spaced placeholder spans."""
-    from torchtitan.components.loss import IGNORE_INDEX
-
-    encoder = trainer.model_config.vision_encoder
-    merge = encoder.downsample_factor
-    side = round(tokens_per_image**0.5) * merge
-    image_id = trainer.tokenizer.image_id
-    special = {
-        f"{name}_id": getattr(trainer.tokenizer, f"{name}_id")
-        for name in trainer.tokenizer.TOKEN_FIELDS
-    }
-    generator = torch.Generator().manual_seed(0)
-    reserved = torch.tensor(sorted(v for v in special.values() if v is not None))
-    tokens_1L = torch.randint(
-        0, trainer.model_config.vocab_size, (1, seq_len + 1), generator=generator
-    )
-    tokens_1L[torch.isin(tokens_1L, reserved)] = 1
-    stride = seq_len // images
-    for image in range(images):
-        start = image * stride + 1
-        tokens_1L[0, start : start + tokens_per_image] = image_id
-    labels_1L = tokens_1L[:, 1:].clone()
-    labels_1L[labels_1L == image_id] = IGNORE_INDEX
-    input_dict = {
-        "input": tokens_1L[:, :-1],
-        "positions": torch.arange(seq_len).unsqueeze(0),
-        "pixel_values": torch.randn(
-            images, side * side, encoder.conv1.in_features, generator=generator
-        ),
-        "grid_thw": torch.tensor([[1, side, side]] * images),
-        "special_tokens": special,
-    }
-    return input_dict, labels_1L
 
 
 def _state_bytes(trainer) -> dict[str, int]:
@@ -172,6 +99,7 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
 
     tracker = LiveMemory(vision_modules)
     fwd_bwd = trainer.forward_backward_step
+    batch = with_vision_share(trainer, batch)
     # CP sharding compiles create_block_mask, which no dispatch mode may watch:
     # the step's inputs are prepared (by the real hook) before it starts.
     prepared = trainer.post_dataloading_process(*batch)
@@ -190,8 +118,8 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
     trainer.step += 1
     device_module.reset_peak_memory_stats()
     try:
-        with tracker, tracker.in_phase("step"):
-            trainer.train_step(trainer.batch_generator([batch]))
+        with tracker, tracker.in_phase("step"), ExchangeBytes() as exchange:
+            trainer.train_step(iter([batch]))
     finally:
         del trainer.post_dataloading_process, trainer.forward_backward_step
         tracker.remove_hooks()
@@ -215,166 +143,166 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
         "at_step_peak_bytes": tracker.at_peak,
         "state_bytes": _state_bytes(trainer),
         "peak_rss_bytes": peak_rss["fwd_bwd"],
+        **exchange.summary(),
     }
 
 
-def _worker(args: argparse.Namespace) -> None:
-    from torchtitan_ext import cpu_backend
-
-    cpu_backend.apply()
-    world = int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-    from torchtitan.config import ConfigManager
-
+def _measure(args: argparse.Namespace, trainer) -> list[dict]:
+    """Rows per (images, mode); at CP1 one measurement stands for every mode."""
     from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
 
-    with tempfile.TemporaryDirectory() as dump:
-        config = ConfigManager().parse_args(_job_args(args, world, dump))
-        _fit_model(config.model_spec.model, args.seq_len, args.layers)
-        trainer = config.build()
-        try:
-            model = trainer.model_parts[0]
-            vision_modules = [getattr(model, fqn) for fqn in VISION_MODULE_FQNS]
-            # One-time allocations (FSDP lazy init, optimizer state) stay out.
-            warm_up = _batch(trainer, min(args.seq_len, 1024), 1, args.tokens_per_image)
-            _measure_step(trainer, warm_up, vision_modules)
-            rows = []
-            for images in args.images:
-                batch = _batch(trainer, args.seq_len, images, args.tokens_per_image)
-                rows.append(
-                    {"images": images, **_measure_step(trainer, batch, vision_modules)}
-                )
-        finally:
-            trainer.close()
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, rows)
-    if int(os.environ["RANK"]) == 0:
-        args.worker_out.write_text(json.dumps(gathered))
-    # As torchtitan.train's main: a process group left to interpreter exit can
-    # abort there ("terminate called without an active exception"; seen once).
-    torch.distributed.destroy_process_group()
+    model = trainer.model_parts[0]
+    vision_modules = [getattr(model, fqn) for fqn in VISION_MODULE_FQNS]
+    modes = modes_at(trainer, args.vision)
+    # One-time allocations (FSDP lazy init, optimizer state) stay out.
+    warm_up = _cp_degrees.synthetic_batch(
+        trainer, min(args.seq_len, 1024), 1, args.tokens_per_image
+    )
+    for mode in modes:
+        set_vision_mode(trainer, mode)
+        _measure_step(trainer, warm_up, vision_modules)
+    rows = []
+    for images in args.images:
+        batch = _cp_degrees.synthetic_batch(
+            trainer, args.seq_len, images, args.tokens_per_image
+        )
+        measured = {}
+        for mode in modes:
+            set_vision_mode(trainer, mode)
+            measured[mode] = _measure_step(trainer, batch, vision_modules)
+        for mode in args.vision:
+            row = measured.get(mode, measured[modes[0]])
+            rows.append({"images": images, "vision": mode, **row})
+    return rows
 
 
 # ---------------------------------------------------------------- driver side
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _row(args, cp: int, rank_rows: list[dict]) -> dict:
+    """One (CP, images, mode): each figure on the rank where it is largest."""
 
+    def most_mib(value) -> float:
+        return max(value(r) for r in rank_rows) / MIB
 
-def _run_cp(args: argparse.Namespace, cp: int, out: Path) -> list[list[dict]]:
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--nproc_per_node", str(cp)),
-        *("--master_addr", "127.0.0.1", "--master_port", str(_free_port())),
-        __file__,
-        *(
-            "--seq-len",
-            str(args.seq_len),
-            "--tokens-per-image",
-            str(args.tokens_per_image),
+    worst = max(rank_rows, key=lambda r: r["decoder_activation_bytes"])
+    return {
+        "cp": cp,
+        "images": rank_rows[0]["images"],
+        "vision": rank_rows[0]["vision"],
+        "vision_tokens": rank_rows[0]["images"] * args.tokens_per_image,
+        "decoder_activation_mib": worst["decoder_activation_bytes"] / MIB,
+        "vision_activation_mib": most_mib(lambda r: r["vision_activation_bytes"]),
+        "total_activation_mib": most_mib(
+            lambda r: r["decoder_activation_bytes"] + r["vision_activation_bytes"]
         ),
-        *("--layers", str(args.layers), "--images", *map(str, args.images)),
-        *("--cp", "1", "--worker-out", str(out)),
-    ]
-    run = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s
-    )
-    if run.returncode != 0:
-        raise RuntimeError(
-            f"CP{cp} run failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
-        )
-    return json.loads(out.read_text())
+        "decoder_attn_scratch_mib": most_mib(lambda r: r["decoder_attn_scratch_bytes"]),
+        "vision_attn_scratch_mib": most_mib(lambda r: r["vision_attn_scratch_bytes"]),
+        "state_mib": sum(worst["state_bytes"].values()) / MIB,
+        "step_peak_mib": most_mib(
+            lambda r: (
+                r["step_allocated_peak_bytes"]
+                + r["state_bytes"]["params"]
+                + r["state_bytes"]["optimizer"]
+            )
+        ),
+        "peak_rss_mib": most_mib(lambda r: r["peak_rss_bytes"]),
+        "exchange_forward_mib": most_mib(lambda r: r["exchange_forward_bytes"]),
+        "exchange_backward_mib": most_mib(lambda r: r["exchange_backward_bytes"]),
+        "exchange_wire_mib": most_mib(lambda r: r["exchange_wire_bytes"]),
+        "ranks": rank_rows,
+    }
 
 
 def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
-    rows = []
-    for cp, ranks in per_cp.items():
-        for i, images in enumerate(args.images):
-            rank_rows = [rank[i] for rank in ranks]
-            worst = max(rank_rows, key=lambda r: r["decoder_activation_bytes"])
-            state = worst["state_bytes"]
-            rows.append(
-                {
-                    "cp": cp,
-                    "images": images,
-                    "vision_tokens": images * args.tokens_per_image,
-                    "decoder_activation_mib": worst["decoder_activation_bytes"] / MIB,
-                    "vision_activation_mib": max(
-                        r["vision_activation_bytes"] for r in rank_rows
-                    )
-                    / MIB,
-                    "decoder_attn_scratch_mib": max(
-                        r["decoder_attn_scratch_bytes"] for r in rank_rows
-                    )
-                    / MIB,
-                    "vision_attn_scratch_mib": max(
-                        r["vision_attn_scratch_bytes"] for r in rank_rows
-                    )
-                    / MIB,
-                    "state_mib": sum(state.values()) / MIB,
-                    "step_peak_mib": max(
-                        r["step_allocated_peak_bytes"]
-                        + r["state_bytes"]["params"]
-                        + r["state_bytes"]["optimizer"]
-                        for r in rank_rows
-                    )
-                    / MIB,
-                    "peak_rss_mib": max(r["peak_rss_bytes"] for r in rank_rows) / MIB,
-                    "ranks": rank_rows,
-                }
-            )
-    base = {r["images"]: r for r in rows if r["cp"] == 1}
+    rows = [
+        _row(args, cp, list(rank_rows))
+        for cp, ranks in per_cp.items()
+        for rank_rows in zip(*ranks, strict=True)
+    ]
+    base = {(r["images"], r["vision"]): r for r in rows if r["cp"] == 1}
+    replicated = {
+        (r["cp"], r["images"]): r for r in rows if r["vision"] == "replicated"
+    }
     for r in rows:
-        b = base[r["images"]]
-        r["decoder_ratio_vs_cp1"] = (
-            r["decoder_activation_mib"] / b["decoder_activation_mib"]
-        )
-        r["vision_ratio_vs_cp1"] = (
-            r["vision_activation_mib"] / b["vision_activation_mib"]
-        )
+        b = base[r["images"], r["vision"]]
+        for name in ("decoder", "vision", "total"):
+            r[f"{name}_ratio_vs_cp1"] = (
+                r[f"{name}_activation_mib"] / b[f"{name}_activation_mib"]
+            )
         r["vision_share"] = r["vision_activation_mib"] / (
             r["vision_activation_mib"] + r["decoder_activation_mib"]
         )
+        rep = replicated.get((r["cp"], r["images"]))
+        if r["vision"] == "sharded" and rep is not None:
+            r["vision_saved_mib"] = (
+                rep["vision_activation_mib"] - r["vision_activation_mib"]
+            )
+            r["total_saved_mib"] = (
+                rep["total_activation_mib"] - r["total_activation_mib"]
+            )
     return rows
 
 
-def _table(rows: list[dict]) -> str:
-    lines = [
-        "| CP | images | vision tokens | decoder act. MiB | vs CP1 | vision act. MiB | "
-        "vs CP1 | vision share | attn scratch MiB (dec / vis) | params+grads+opt MiB | "
-        "step peak MiB | peak RSS MiB |",
-        "|" + " ---: |" * 12,
+def _cells(r: dict) -> list[str]:
+    cells = [str(r["cp"]), str(r["images"]), r["vision"], str(r["vision_tokens"])]
+    for name in ("decoder", "vision", "total"):
+        cells.append(f"{r[f'{name}_activation_mib']:.1f}")
+        cells.append(f"{r[f'{name}_ratio_vs_cp1']:.2f}x")
+    return [
+        *cells,
+        f"{100 * r['vision_share']:.0f}%",
+        f"{r['decoder_attn_scratch_mib']:.0f} / {r['vision_attn_scratch_mib']:.0f}",
+        f"{r['state_mib']:.1f}",
+        f"{r['step_peak_mib']:.0f}",
+        f"{r['peak_rss_mib']:.0f}",
     ]
-    for r in sorted(rows, key=lambda r: (r["images"], r["cp"])):
-        lines.append(
-            f"| {r['cp']} | {r['images']} | {r['vision_tokens']} | "
-            f"{r['decoder_activation_mib']:.1f} | {r['decoder_ratio_vs_cp1']:.2f}x | "
-            f"{r['vision_activation_mib']:.1f} | {r['vision_ratio_vs_cp1']:.2f}x | "
-            f"{100 * r['vision_share']:.0f}% | "
-            f"{r['decoder_attn_scratch_mib']:.0f} / "
-            f"{r['vision_attn_scratch_mib']:.0f} | {r['state_mib']:.1f} | "
-            f"{r['step_peak_mib']:.0f} | {r['peak_rss_mib']:.0f} |"
+
+
+def _table(rows: list[dict]) -> str:
+    columns = [
+        *("CP", "images", "vision", "vision tokens"),
+        *("decoder act. MiB", "vs CP1", "vision act. MiB", "vs CP1"),
+        *("total act. MiB", "vs CP1", "vision share", "attn scratch MiB (dec / vis)"),
+        *("params+grads+opt MiB", "step peak MiB", "peak RSS MiB"),
+    ]
+    order = sorted(rows, key=lambda r: (r["images"], r["vision"], r["cp"]))
+    return _cp_degrees.table(columns, map(_cells, order), left=["vision"])
+
+
+def _exchange_table(rows: list[dict]) -> str:
+    """Sharded mode under CP: what the exchange moves beside what it saves."""
+    columns = [
+        *("CP", "images", "all-gather out MiB (fwd)"),
+        *("reduce-scatter in MiB (bwd, fp32)", "ring MiB sent per rank"),
+        *("vision act. saved MiB per rank", "total act. saved MiB per rank"),
+    ]
+    cells = [
+        (
+            *(str(r["cp"]), str(r["images"])),
+            *(f"{r['exchange_forward_mib']:.2f}", f"{r['exchange_backward_mib']:.2f}"),
+            f"{r['exchange_wire_mib']:.2f}",
+            *(f"{r['vision_saved_mib']:.2f}", f"{r['total_saved_mib']:.2f}"),
         )
-    return "\n".join(lines)
+        for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
+        if r["cp"] > 1 and "vision_saved_mib" in r
+    ]
+    return _cp_degrees.table(columns, cells)
+
+
+def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
+    rows = _rows(args, per_cp)
+    text = _table(rows)
+    if "sharded" in args.vision and "replicated" in args.vision:
+        text += (
+            "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank"
+        )
+        text += "\n" + _exchange_table(rows)
+    return text, rows
 
 
 def main(argv=None) -> None:
-    args = _parse_args(argv)
-    if args.worker_out is not None:
-        _worker(args)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        per_cp = {cp: _run_cp(args, cp, Path(tmp) / f"cp{cp}.json") for cp in args.cp}
-    rows = _rows(args, per_cp)
-    print(_table(rows))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("json", "worker_out")}
-    args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    print(f"\nJSON: {args.json}")
+    _cp_degrees.main(__file__, argv, _parse_args, _measure, _report)
 
 
 if __name__ == "__main__":

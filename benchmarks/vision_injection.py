@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from _pairs import alternating, median_pair_ratio  # benchmarks/, first on sys.path
 
 from torchtitan_ext import cpu_backend
 
@@ -78,14 +79,6 @@ def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD):
     return forward_ms, backward_ms, (out_1LD, h_1LD.grad, bank_TD.grad)
 
 
-def _median_ratio(upstream_ms: list[float], plugin_ms: list[float]):
-    """Median and quartiles of the back-to-back pairs' time ratios."""
-    # Each repetition runs both sides back to back: their ratio shares the noise.
-    ratios = [u / p for u, p in zip(upstream_ms, plugin_ms, strict=True)]
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return statistics.median(ratios), [quartiles[0], quartiles[2]]
-
-
 def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats: int):
     tokens_1L, grid_thw_N3 = _batch(seq_len, images, tokens_per_image)
     rows = images * tokens_per_image
@@ -117,9 +110,8 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
     phases = ("forward", "backward", "total")
     times = {name: {phase: [] for phase in phases} for name in sides}
     index_ms = []
-    names = list(sides)
-    for repeat in range(repeats):
-        for name in names[:: 1 if repeat % 2 == 0 else -1]:
+    for names in alternating(list(sides), repeats):
+        for name in names:
             forward_ms, backward_ms, _ = _forward_backward(
                 sides[name], h0_1LD, bank0_TD, grad_1LD
             )
@@ -137,7 +129,7 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
     for phase, key in zip(
         phases, ("speedup_forward", "speedup_backward", "speedup"), strict=True
     ):
-        row[key], row[f"{key}_quartiles"] = _median_ratio(
+        row[key], row[f"{key}_quartiles"] = median_pair_ratio(
             times["upstream"][phase], times["plugin"][phase]
         )
     row["index_ms"] = statistics.median(index_ms)

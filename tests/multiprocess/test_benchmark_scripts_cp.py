@@ -1,6 +1,11 @@
-"""The CP benchmark scripts drive the real CP2 Trainer at a tiny size and write JSON."""
+"""The CP benchmark scripts drive the real CP2 Trainer at a tiny size and write JSON.
+
+Times on a shared CPU host say nothing here: only that every row and figure
+is there, positive and finite.
+"""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -9,15 +14,18 @@ import pytest
 from ..training_runs import REPO
 
 _TINY = ("--seq-len", "256", "--local-batch-size", "1", "--warmup", "0")
+# The synthetic-row scripts (benchmarks/_cp_degrees.py): CP2, 1 and 4 images.
+_TINY_ROW = ("--seq-len", "256", "--cp", "2", "--images", "1", "4")
+_TINY_ROW += ("--tokens-per-image", "16", "--pairs", "2")
 
 
-def _run(tmp_path, script: str, *args: str) -> tuple[dict, str]:
+def _run(tmp_path, script: str, *args: str, tiny=_TINY) -> tuple[dict, str]:
     out = tmp_path / f"{script}.json"
     run = subprocess.run(
         [
             sys.executable,
             str(REPO / "benchmarks" / f"{script}.py"),
-            *_TINY,
+            *tiny,
             *args,
             *("--json", str(out)),
         ],
@@ -77,3 +85,35 @@ def test_host_syncs_runs(tmp_path):
     # The zero above is not a phase that never ran under the modes.
     assert all(ops["post_dataloading_process"] > 0 for ops in result["ops_seen"])
     assert all(ops["forward+backward"] > 0 for ops in result["ops_seen"])
+
+
+def _check_mode_times(row: dict, phases: tuple[str, ...]) -> None:
+    assert (row["cp"], len(row["ranks"])) == (2, 2)
+    for mode in ("replicated", "sharded"):
+        for phase in phases:
+            assert 0 < row[f"{mode}_{phase}"] < math.inf
+        for rank in row["ranks"]:
+            assert len(rank["times"][mode]) == 2  # --pairs
+    low, high = row["sharded_ratio_quartiles"]
+    assert 0 < low <= row["sharded_ratio"] <= high < math.inf
+
+
+def test_vision_time_per_rank_runs(tmp_path):
+    result, stdout = _run(tmp_path, "vision_time_per_rank", tiny=_TINY_ROW)
+    rows = result["rows"]
+    assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
+    for row in rows:
+        _check_mode_times(row, ("forward_ms", "backward_ms", "total_ms"))
+    # The cost-balanced split: 2 images each; 1 image leaves rank 1 a blank one.
+    assert rows[0]["image_ranges"] == [[0, 1], [1, 1]]
+    assert rows[1]["image_ranges"] == [[0, 2], [2, 4]]
+    assert "| 2 | 4 | 64 |" in stdout
+
+
+def test_step_time_vision_runs(tmp_path):
+    result, stdout = _run(tmp_path, "step_time_vision", "--warmup", "0", tiny=_TINY_ROW)
+    rows = result["rows"]
+    assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
+    for row in rows:
+        _check_mode_times(row, ("step_ms",))
+    assert "| 2 | 4 | 64 |" in stdout

@@ -30,6 +30,11 @@ EXPECTED = {
     "cp2_pp2_interleaved.toml": (4, True, 2, 1, -1, 2),
     "tp2_pp2_sp.toml": (4, True, 1, 2, -1, 2),
     "tp2_cp2_pp2_sp.toml": (8, True, 2, 2, -1, 2),
+    # Production jobs of the 30B_mm flavor (tests/unit/test_production_jobs.py).
+    "30b_mm_fsdp4_cp4_tp2_sp.toml": (32, True, 4, 2, 4, 1),
+    "30b_mm_fsdp4_cp4_tp2_sp_sharded_vision.toml": (32, True, 4, 2, 4, 1),
+    "30b_mm_fsdp4_cp4_tp2_pp4_sp.toml": (128, True, 4, 2, 4, 4),
+    "30b_mm_fsdp4_cp4_tp2_pp4_sp_sharded_vision.toml": (128, True, 4, 2, 4, 4),
 }
 
 

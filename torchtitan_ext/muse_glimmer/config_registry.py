@@ -1,4 +1,5 @@
-"""Runnable jobs of the plug-in: muse_glimmer's multimodal debug model on embedded data.
+"""Runnable jobs of the plug-in: the multimodal debug model on embedded data, and
+production jobs of the ``30B_mm`` flavor on GPU clusters.
 
 Each function returns a whole ``MuseGlimmerTrainer.Config``; select one with
 ``--module torchtitan_ext.muse_glimmer --config <function>``.
@@ -39,6 +40,8 @@ __all__ = [
     "muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
     "muse_glimmer_debugmodel_mm_tp2_pp2_sp",
     "muse_glimmer_debugmodel_mm_tp2_sp",
+    "muse_glimmer_30b_mm_fsdp4_cp4_tp2_pp4_sp",
+    "muse_glimmer_30b_mm_fsdp4_cp4_tp2_sp",
 ]
 
 
@@ -56,14 +59,20 @@ def _embedded_data_paths() -> tuple[str, str]:
     return str(assets.tokenizer_dir), str(assets.dataset_dir)
 
 
-def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
-    """An upstream job, run by the plug-in's Trainer and model on embedded data."""
+def _as_plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
+    """An upstream job, run by the plug-in's Trainer and model on the job's data."""
     job = _as(MuseGlimmerTrainer.Config, config)
     job.parallelism = _as(MuseGlimmerParallelismConfig, config.parallelism)
     job.validator = _as(MuseGlimmerValidator.Config, config.validator)
     job.metrics = _as(MuseGlimmerMetricsProcessor.Config, config.metrics)
     job.dataloader = _as(RobustMMDataLoader.Config, config.dataloader)
     job.model_spec = model_registry(flavor, attn_backend="flex")
+    return job
+
+
+def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
+    """An upstream job, run by the plug-in's Trainer and model on embedded data."""
+    job = _as_plugin_job(config, flavor)
     job.hf_assets_path, job.dataloader.dataset_path = _embedded_data_paths()
     return job
 
@@ -209,3 +218,77 @@ def muse_glimmer_debugmodel_mm_cp2_typechecked() -> MuseGlimmerTrainer.Config:
 def muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked() -> MuseGlimmerTrainer.Config:
     """TP2 + CP2 + SP with ``--debug.spmd_typechecking``, no activation checkpoints."""
     return _typechecked(muse_glimmer_debugmodel_mm_tp2_cp2_sp())
+
+
+# Production jobs: torchtitan's ``muse_glimmer_30b_mm`` (decoder dim 6656, 52
+# layers, vocab 202048, a 50-block vision encoder) on clusters of 8-GPU nodes.
+# No GPU runs them here: tests/unit/test_simulated_cluster.py builds and
+# parallelizes each, a rank at a time, on a fake process group of its world size
+# (torchtitan_ext.tools.simulated_cluster).
+
+
+def _muse_glimmer_30b_mm(
+    seq_len: int, local_batch_size: int = 1, **degrees: int
+) -> MuseGlimmerTrainer.Config:
+    """torchtitan's ``muse_glimmer_30b_mm`` under CP, with explicit degrees.
+
+    Upstream's loss wrapper (chunked, no [B, L, vocab] logits), full activation
+    checkpointing, tokenizer assets (``./assets/hf/Muse-Glimmer-30B``) and
+    cc12m data are kept; ``--hf_assets_path`` and ``--dataloader.dataset_path``
+    point them elsewhere. The data parallel degree is explicit, so a launch on
+    the wrong number of ranks fails at start-up naming every degree.
+    Sequences are packed, as in the debug CP jobs: a cc12m sample (a caption
+    and an image resized to at most 3136 pixels, 4 placeholders) is about 40
+    tokens, so an unpacked row would be nearly all padding. One image per 16
+    tokens bounds a row's images far above that density.
+    TP is 2 at most: it must divide the decoder's 2 kv heads.
+    """
+    job = _as_plugin_job(upstream.muse_glimmer_30b_mm(), "30B_mm")
+    job.training.seq_len = seq_len
+    job.training.local_batch_size = local_batch_size
+    job.dataloader.packing_buffer_size = 100
+    job.dataloader.max_images_per_batch = local_batch_size * seq_len // 16
+    job.parallelism.context_parallel_load_balancer = "ptrr"
+    job.parallelism.context_parallel_ptrr_mask_key = "global"
+    for name, degree in degrees.items():
+        setattr(job.parallelism, name, degree)
+    return job
+
+
+def muse_glimmer_30b_mm_fsdp4_cp4_tp2_sp() -> MuseGlimmerTrainer.Config:
+    """``30B_mm`` on 4 nodes x 8 GPUs, seq_len 8192: FSDP4 x CP4 x TP2 + SP.
+
+    TP (innermost) and CP share a node's 8 GPUs: CP all-gathers every decoder
+    layer's k/v and TP reduces every layer's activations, so both stay on
+    NVLink; FSDP's per-layer all-gather and reduce-scatter cross the nodes.
+    Each rank holds 2048 tokens of a row, and 1/32 of the parameters.
+    """
+    return _muse_glimmer_30b_mm(
+        8192,
+        data_parallel_shard_degree=4,
+        context_parallel_degree=4,
+        tensor_parallel_degree=2,
+    )
+
+
+def muse_glimmer_30b_mm_fsdp4_cp4_tp2_pp4_sp() -> MuseGlimmerTrainer.Config:
+    """``30B_mm`` on 16 nodes x 8 GPUs, seq_len 16384: FSDP4 x CP4 x TP2 + SP x PP4.
+
+    The node holds CP x TP as in the 4-node job; PP4 (outermost, 1F1B) and FSDP4
+    cross nodes. 8 microbatches of one row keep the 1F1B bubble at 3/11.
+    Stage 0 also holds the embedding (1.34B parameters) and the vision stack
+    (1.92B), about 7 decoder layers' worth (0.48B each), and 1F1B keeps the
+    most microbatches in flight there; the last stage holds the 1.34B lm_head,
+    about 3. The generated split counts them so: 9, 16, 15 and 12 layers.
+    """
+    job = _muse_glimmer_30b_mm(
+        16384,
+        local_batch_size=8,
+        data_parallel_shard_degree=4,
+        context_parallel_degree=4,
+        tensor_parallel_degree=2,
+        pipeline_parallel_degree=4,
+    )
+    job.parallelism.pipeline_parallel_first_stage_less_layers = 7
+    job.parallelism.pipeline_parallel_last_stage_less_layers = 3
+    return job

@@ -1,0 +1,309 @@
+"""One rank of a production job, built and parallelized in one process, no GPU.
+
+``python -m torchtitan_ext.tools.simulated_cluster --job.config_file
+train_configs/30b_mm_fsdp4_cp4_tp2_sp.toml [--rank R] [--section.key value ...]``
+prints rank R's plan: its mesh coordinates, pipeline stage(s), modules, FSDP
+units and the parameters it holds.
+
+What is real: the job's config (registry function, TOML and overrides, as
+``python -m torchtitan_ext.train`` parses them), the plug-in's start-up checks,
+``ParallelDims`` with the job's degrees and world size and its ``build_mesh``
+(every DeviceMesh and process group of the job, this rank's coordinates), the
+model config's ``update_from_config``, the model's modules and parameter
+shapes, and the ModelSpec's ``parallelize_fn`` (TP through the sharding
+configs, activation checkpointing, FSDP2's ``fully_shard``) and
+``pipelining_fn`` (the stage split, ``PipelineStage``, the schedule), called in
+the order and with the arguments of torchtitan 0.3.0's ``Trainer.__init__``.
+
+What is simulated: the process group is torch's ``fake`` backend (with its
+``FakeStore``), which answers every collective at once without moving data, so
+one process can stand for any rank of a world of any size; the parameters are
+on the meta device (the Trainer's ``to_empty`` and ``init_weights`` are not
+run), so nothing of the model's size is allocated; the meshes are on
+torchtitan's device type, ``cpu`` under ``torchtitan_ext.cpu_backend`` (with
+an accelerator present it is torchtitan's own choice, not tried here). The
+Trainer's tokenizer, dataloader, optimizer and checkpointer are not built:
+they need the job's assets and data, and add nothing to the model's plan.
+
+One rank at a time: a process has one default process group, so
+``simulated_rank`` owns it for the duration of its ``with`` block (a memory
+planner runs its fake-tensor step inside the block, where the collectives of
+the parallelized model still have their process groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torchtitan is imported after cpu_backend.apply(), in functions.
+    from torch import nn
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torchtitan.components.loss import BaseLoss
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.trainer import Trainer
+
+__all__ = [
+    "SimulatedRank",
+    "describe",
+    "job_world_size",
+    "load_job",
+    "main",
+    "simulated_rank",
+]
+
+
+@dataclass
+class SimulatedRank:
+    """What torchtitan's Trainer holds on one rank once the model is parallelized."""
+
+    rank: int
+    config: Trainer.Config  # a copy of the job's, its model config updated
+    parallel_dims: ParallelDims  # meshes built
+    model_parts: list[nn.Module]  # this rank's, parallelized, on the meta device
+    loss_fn: BaseLoss  # bound to the last stage's lm_head when chunked
+    pp_schedule: _PipelineSchedule | None = None
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel_dims.world_size
+
+
+def load_job(args: list[str]):
+    """A job's ``Trainer.Config`` from command-line arguments, as training parses them.
+
+    ``--job.config_file PATH.toml`` or ``--module M --config C``, then
+    ``--section.key value`` overrides (``torchtitan_ext.config_file``).
+    """
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_ext.config_file import merge_args
+
+    return ConfigManager().parse_args(merge_args(args))
+
+
+def job_world_size(config) -> int:
+    """The number of ranks a job runs on: the product of its parallel degrees.
+
+    Its ``data_parallel_shard_degree`` must be explicit: with -1 the job fits
+    any multiple of the other degrees, and the world size must be given.
+    """
+    parallelism = config.parallelism
+    if parallelism.data_parallel_shard_degree < 1:
+        raise ValueError(
+            "data_parallel_shard_degree="
+            f"{parallelism.data_parallel_shard_degree} leaves the world size to "
+            "the launcher; pass world_size (--world-size) to simulate the job."
+        )
+    return math.prod(
+        (
+            parallelism.data_parallel_replicate_degree,
+            parallelism.data_parallel_shard_degree,
+            parallelism.context_parallel_degree,
+            parallelism.tensor_parallel_degree,
+            parallelism.pipeline_parallel_degree,
+        )
+    )
+
+
+@contextlib.contextmanager
+def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group of a fake world, as ``rank``.
+
+    DTensor caches sharding propagation by its input specs, which compare
+    meshes by value: a job simulated again in the same process would get
+    DTensors on the previous run's equal (and destroyed) meshes back from the
+    cache, and FSDP, which wants its own mesh object, refuses them. The caches
+    are cleared on the way in and out.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a process group already exists in this process; the simulated "
+            "cluster needs the default group for its fake world"
+        )
+    _clear_sharding_prop_cache()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+
+
+@contextlib.contextmanager
+def _spmd_backend(name: str) -> Iterator[None]:
+    """torchtitan's process-wide SPMD backend (the Trainer sets it), restored after."""
+    from torchtitan.distributed import utils as dist_utils
+
+    previous = dist_utils.get_spmd_backend()
+    dist_utils.set_spmd_backend(name)
+    try:
+        yield
+    finally:
+        dist_utils.set_spmd_backend(previous)
+
+
+@contextlib.contextmanager
+def simulated_rank(
+    config, *, rank: int = 0, world_size: int | None = None
+) -> Iterator[SimulatedRank]:
+    """Rank ``rank`` of ``config`` on a fake world, parallelized as the Trainer does.
+
+    ``config`` is a ``Trainer.Config`` (the plug-in's or torchtitan's own); it is
+    copied, never changed. The fake process group, the meshes and the model
+    parts live until the block ends.
+    """
+    import torch
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.config.override import apply_overrides
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.tools import utils
+
+    from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+    from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
+
+    config = copy.deepcopy(config)
+    world_size = job_world_size(config) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+    if isinstance(config, MuseGlimmerTrainer.Config):
+        # MuseGlimmerTrainer.init_distributed: before any process group.
+        check_job_config(config, world_size)
+    model_spec = config.model_spec
+    with (
+        _fake_process_group(rank, world_size),
+        _spmd_backend(config.parallelism.spmd_backend),
+    ):
+        # Trainer.__init__, in its order, from init_distributed to the model parts.
+        parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        parallel_dims.build_mesh()
+        model_config = model_spec.model
+        model_config.update_from_config(config=config)
+        if config.override.imports:
+            apply_overrides(config.override, config)
+        with (
+            torch.device("meta"),
+            utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]),
+        ):
+            model = model_config.build()
+        model.verify_module_protocol()
+        loss_fn = config.loss.build(compile_config=config.compile)
+        parallelize_kwargs = dict(
+            parallel_dims=parallel_dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            compile_config=config.compile,
+            ac_config=config.activation_checkpoint,
+            dump_folder=config.dump_folder,
+        )
+        if parallel_dims.pp_enabled:
+            schedule, model_parts, has_first, has_last = model_spec.pipelining_fn(
+                model,
+                **parallelize_kwargs,
+                # The Trainer passes its local device; the stages' buffers and
+                # p2p shapes are made on it in the first step, never here.
+                device=torch.device(utils.device_type),
+                model_config=model_config,
+                parallelize_fn=model_spec.parallelize_fn,
+                loss_fn=loss_fn,
+            )
+        else:
+            model = model_spec.parallelize_fn(model, **parallelize_kwargs)
+            schedule, model_parts, has_first, has_last = None, [model], True, True
+        if isinstance(loss_fn, ChunkedLossWrapper) and has_last:
+            # The Trainer's: the chunked loss applies lm_head, the model skips it.
+            loss_fn.set_lm_head(model_parts[-1].lm_head)
+            model_parts[-1]._skip_lm_head = True
+        yield SimulatedRank(
+            rank=rank,
+            config=config,
+            parallel_dims=parallel_dims,
+            model_parts=model_parts,
+            loss_fn=loss_fn,
+            pp_schedule=schedule,
+            has_first_stage=has_first,
+            has_last_stage=has_last,
+        )
+
+
+def _coordinates(parallel_dims) -> dict[str, int]:
+    """This rank's index on each enabled mesh axis."""
+    return {
+        name: mesh.get_local_rank()
+        for name, mesh in parallel_dims.get_all_one_dimensional_meshes().items()
+    }
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def describe(simulated: SimulatedRank) -> str:
+    """A few lines on what the rank holds: coordinates, stages, FSDP units, sizes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    coordinates = ", ".join(
+        f"{name} {index}"
+        for name, index in _coordinates(simulated.parallel_dims).items()
+    )
+    lines = [
+        f"rank {simulated.rank} of {simulated.world_size}: {coordinates or 'alone'}"
+    ]
+    for index, part in enumerate(simulated.model_parts):
+        children = [name for name, child in part.named_children() if child is not None]
+        units = sum(isinstance(module, FSDPModule) for module in part.modules())
+        params = list(part.parameters())
+        local = sum(_local(p).numel() for p in params)
+        total = sum(p.numel() for p in params)
+        devices = sorted({str(_local(p).device) for p in params})
+        lines.append(
+            f"model part {index}: {', '.join(children)}; {units} FSDP units; "
+            f"{local / 1e9:.3f}B of its {total / 1e9:.3f}B parameters held here, "
+            f"on {', '.join(devices)}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse a job as ``torchtitan_ext.train`` does and print a rank's plan."""
+    import argparse
+
+    from torchtitan_ext import cpu_backend
+
+    cpu_backend.apply()
+
+    from torchtitan_ext.config_file import ConfigFileError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_ext.tools.simulated_cluster",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="default: the job's degrees"
+    )
+    own, job_args = parser.parse_known_args(argv)
+    try:
+        config = load_job(job_args)
+    except ConfigFileError as e:
+        parser.error(str(e))
+    with simulated_rank(config, rank=own.rank, world_size=own.world_size) as rank:
+        print(describe(rank))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

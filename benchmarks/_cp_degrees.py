@@ -230,9 +230,13 @@ def _run_worker(
     torch.distributed.all_gather_object(gathered, rows)
     if torch.distributed.get_rank() == 0:
         args.worker_out.write_text(json.dumps(gathered))
-    # As torchtitan.train's main: a process group left to interpreter exit can
-    # abort there ("terminate called without an active exception"; seen once).
     torch.distributed.destroy_process_group()
+    # The interpreter's teardown after this point has aborted twice in a C++
+    # destructor ("terminate called without an active exception", once in CI)
+    # with the rows already written: leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- driver side

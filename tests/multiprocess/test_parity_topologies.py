@@ -81,10 +81,7 @@ def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
         moment_step=2,
         moment_tol=GRAD_REL_TOL,
     )
-    control = results["grad_accum_control"]
-    # A control this far off would mean the job itself is broken.
-    assert control.max_dloss < 1e-3 and control.max_dgrad_norm < 1e-2
-    assert_passed(results)
+    assert_passed(results, drifting_control="grad_accum_control")
     vision = [
         key
         for key, error in results["cp2_ptrr"].moments.errors.items()
@@ -107,7 +104,7 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
     empty share; CP4 with sharded vision must still match 1 rank and the
     replicated CP4 run, by the unpacked suite's rules (its docstring says why
     unpacked rows need the gradient-accumulation control); sharded against
-    replicated by the same per-step bounds and first moments.
+    replicated by twice the control's drift (below) and the first moments.
     """
     images = images_per_batch(
         embedded_assets, seq_len=512, local_batch_size=2, batches=STEPS, packed=False
@@ -141,17 +138,20 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
         moment_step=2,
         moment_tol=GRAD_REL_TOL,
     )
-    assert_passed(results)
+    assert_passed(results, drifting_control="grad_accum_control")
     replicated, sharded = (
         results[f"cp4_{mode}_vision"] for mode in ("replicated", "sharded")
     )
+    # Each mode is within the control's drift of 1 rank, on either side of it
+    # (10 steps, step 8: replicated -1.7e-5, sharded +1.7e-5 in the loss), so
+    # the two are within twice that drift of each other.
     loss_tol, grad_norm_tol = per_step_tolerances(
         loss_tol=LOSS_TOL,
         grad_norm_tol=GRAD_NORM_TOL,
         steps=STEPS,
         tight_steps=0,
         control=results["grad_accum_control"].rows,
-        control_factor=1.0,
+        control_factor=2.0,
     )
     pair = compare(
         replicated.test,

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import _cp_step  # benchmarks/, first on sys.path when run as a script
 import torch
 
 __all__ = [
@@ -231,12 +232,7 @@ def _run_worker(
     if torch.distributed.get_rank() == 0:
         args.worker_out.write_text(json.dumps(gathered))
     torch.distributed.destroy_process_group()
-    # The interpreter's teardown after this point has aborted twice in a C++
-    # destructor ("terminate called without an active exception", once in CI)
-    # with the rows already written: leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _cp_step.exit_worker()
 
 
 # ---------------------------------------------------------------- driver side

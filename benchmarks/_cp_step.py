@@ -62,8 +62,8 @@ def exit_worker() -> None:
     """End a rank that finished its work, skipping the interpreter's teardown.
 
     That teardown has aborted in a C++ destructor ("terminate called without an
-    active exception") after the results were written: in two scripts, twice in
-    CI, never when retried by hand.
+    active exception") after the results were written: three times in CI, in
+    three different scripts, never when retried by hand.
     """
     sys.stdout.flush()
     sys.stderr.flush()

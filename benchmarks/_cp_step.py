@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -50,7 +50,8 @@ def run_on_ranks(
     parse: Callable[[Sequence[str] | None], tuple[argparse.Namespace, list[str]]],
     worker: Callable[[argparse.Namespace, list[str]], None],
 ) -> int:
-    """A benchmark's ``main``: started plainly it reruns itself on ``--nproc`` ranks."""
+    """A benchmark's ``main``: started plainly it reruns itself on ``--nproc`` ranks,
+    each of which runs ``worker`` and leaves through ``exit_worker``."""
     args, extra = parse(argv)
     if not in_worker():
         return relaunch(script, sys.argv[1:] if argv is None else argv, args.nproc)
@@ -58,7 +59,7 @@ def run_on_ranks(
     exit_worker()
 
 
-def exit_worker() -> None:
+def exit_worker() -> NoReturn:
     """End a rank that finished its work, skipping the interpreter's teardown.
 
     That teardown has aborted in a C++ destructor ("terminate called without an

@@ -81,12 +81,19 @@ def upstream_data_options(assets) -> str:
 
 
 def upstream_spec(assets, ngpu: int, options: str) -> RunSpec:
-    """torchtitan's own muse_glimmer job on ``ngpu`` ranks, with ``options``."""
+    """torchtitan's own muse_glimmer job, with #4244, on ``ngpu`` ranks.
+
+    0.3.0 samples non-square images' position embeddings wrongly (fixed on
+    torchtitan main by PR #4244, backported by the plug-in): its runs apply
+    the fix (``tests/upstream_with_4244.py``) so that bitwise comparisons
+    compare everything else.
+    """
     return RunSpec(
         module="muse_glimmer",
         config="muse_glimmer_debugmodel_mm",
         options=f"{upstream_data_options(assets)} {options}",
         ngpu=ngpu,
+        env={"TRAIN_FILE": "tests.upstream_with_4244"},
     )
 
 

@@ -5,8 +5,10 @@ import difflib
 import inspect
 
 from torchtitan.models.muse_glimmer import parallelize as upstream_parallelize
+from torchtitan.models.muse_glimmer import vision_encoder as upstream_vision_encoder
 
 from torchtitan_ext.muse_glimmer import parallelize as plugin_parallelize
+from torchtitan_ext.muse_glimmer import vision_encoder as plugin_vision_encoder
 
 _FUNCTION = "parallelize_muse_glimmer"
 _CP_REFUSAL = "parallel_dims.cp_enabled"
@@ -82,3 +84,54 @@ def _diff(expected: str, got: str) -> list[str]:
             expected.splitlines(), got.splitlines(), "upstream", "plug-in", lineterm=""
         )
     )
+
+
+# torchtitan 0.3.0's resampler builds its grid in this one statement; PR #4244
+# replaces it with the backport's two (ij meshgrid, then (x, y) pairs).
+_RESAMPLER_030 = ast.unparse(
+    ast.parse(
+        'pos_xy = torch.stack(torch.meshgrid(ys, xs, indexing="xy"), dim=-1)'
+        ".reshape(-1, 2)[None, None]"
+    )
+)
+_RESAMPLER_4244 = [
+    ast.unparse(ast.parse(statement))
+    for statement in (
+        'yy, xx = torch.meshgrid(ys, xs, indexing="ij")',
+        "pos_xy = torch.stack((xx, yy), dim=-1).reshape(-1, 2)[None, None]",
+    )
+]
+
+
+def _body(function) -> list[str]:
+    """A function's statements without its docstring, one string each."""
+    node = ast.parse(inspect.getsource(function).strip()).body[0]
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    return [ast.unparse(statement) for statement in body]
+
+
+def test_vision_resampler_is_the_030_one_with_4244_backported():
+    """Upstream's ``_vision_pos_embed`` is 0.3.0's; ours differs by #4244 alone.
+
+    Fails when the installed torchtitan's resampler changes: once a release
+    carries #4244, drop ``torchtitan_ext/muse_glimmer/vision_encoder.py`` (and
+    ``tests/upstream_with_4244.py``); any other change must be merged by hand.
+    """
+    upstream = _body(upstream_vision_encoder._vision_pos_embed)
+    assert _RESAMPLER_030 in upstream, (
+        "torchtitan's _vision_pos_embed no longer builds its grid as 0.3.0 did; "
+        "if it carries PR #4244, drop the plug-in's backport:\n" + "\n".join(upstream)
+    )
+    at = upstream.index(_RESAMPLER_030)
+    patched = [*upstream[:at], *_RESAMPLER_4244, *upstream[at + 1 :]]
+    assert _body(plugin_vision_encoder.vision_pos_embed) == patched
+
+
+def test_encoder_override_is_upstreams_call_to_the_backport():
+    """The encoder's ``_get_pos_emb`` is upstream's, calling the backport instead."""
+    upstream = _body(upstream_vision_encoder.MuseGlimmerVisionEncoder._get_pos_emb)
+    ours = _body(plugin_vision_encoder.MuseGlimmerVisionEncoder._get_pos_emb)
+    assert ours == [
+        statement.replace("_vision_pos_embed(", "vision_pos_embed(")
+        for statement in upstream
+    ]

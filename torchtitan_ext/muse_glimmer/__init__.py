@@ -1,10 +1,12 @@
 """muse_glimmer under context parallelism: the plug-in's model package.
 
-The model spec is torchtitan's own muse_glimmer flavor with three replacements:
+The model spec is torchtitan's own muse_glimmer flavor with four replacements:
 the model class (vision injection by bank index, same modules and keys), the
-parallelize function (CP allowed for the multimodal flavor) and the pipelining
-function (the vision modules on the first stage for a user's split too). The
-Trainer and Validator build the bank indices before CP shards the batch.
+vision encoder class (non-square position grids sampled as torchtitan PR #4244
+does), the parallelize function (CP allowed for the multimodal flavor) and the
+pipelining function (the vision modules on the first stage for a user's split
+too). The Trainer and Validator build the bank indices before CP shards the
+batch.
 """
 
 import dataclasses
@@ -34,6 +36,7 @@ from .vision_bank import (
     image_encoding_cost,
     split_images_over_cp,
 )
+from .vision_encoder import MuseGlimmerVisionEncoder, vision_pos_embed
 
 __all__ = [
     "VISION_MODULE_FQNS",
@@ -43,6 +46,7 @@ __all__ = [
     "MuseGlimmerModel",
     "MuseGlimmerTrainer",
     "MuseGlimmerValidator",
+    "MuseGlimmerVisionEncoder",
     "RobustMMDataLoader",
     "VisionGeometry",
     "blank_image",
@@ -57,19 +61,25 @@ __all__ = [
     "pipeline_muse_glimmer",
     "post_process_with_vision_bank_indices",
     "split_images_over_cp",
+    "vision_pos_embed",
 ]
+
+
+def _as(config_cls: type, config):
+    """Re-type a config dataclass as a subclass, keeping every field's value."""
+    return config_cls(
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    )
 
 
 def model_registry(flavor: str, attn_backend: str = "flex", **kwargs) -> ModelSpec:
     """torchtitan's muse_glimmer ``flavor``, built as the plug-in's model."""
     upstream_spec = upstream_model_registry(flavor, attn_backend=attn_backend, **kwargs)
-    upstream_config = upstream_spec.model
-    model_config = MuseGlimmerModel.Config(
-        **{
-            field.name: getattr(upstream_config, field.name)
-            for field in dataclasses.fields(upstream_config)
-        }
-    )
+    model_config = _as(MuseGlimmerModel.Config, upstream_spec.model)
+    if model_config.vision_encoder is not None:
+        model_config.vision_encoder = _as(
+            MuseGlimmerVisionEncoder.Config, model_config.vision_encoder
+        )
     return dataclasses.replace(
         upstream_spec,
         model=model_config,

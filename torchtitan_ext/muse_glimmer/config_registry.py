@@ -5,7 +5,6 @@ Each function returns a whole ``MuseGlimmerTrainer.Config``; select one with
 ``--module torchtitan_ext.muse_glimmer --config <function>``.
 """
 
-import dataclasses
 
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.models.muse_glimmer import config_registry as upstream
@@ -13,7 +12,7 @@ from torchtitan.trainer import Trainer
 
 from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
-from . import model_registry
+from . import _as, model_registry
 from .data import RobustMMDataLoader
 from .trainer import (
     MuseGlimmerMetricsProcessor,
@@ -43,13 +42,6 @@ __all__ = [
     "muse_glimmer_30b_mm_fsdp4_cp4_tp2_pp4_sp",
     "muse_glimmer_30b_mm_fsdp4_cp4_tp2_sp",
 ]
-
-
-def _as(config_cls: type, config):
-    """Re-type a config dataclass as a subclass, keeping every field's value."""
-    return config_cls(
-        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    )
 
 
 def _embedded_data_paths() -> tuple[str, str]:

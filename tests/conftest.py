@@ -50,3 +50,20 @@ def seed_checkpoint(tmp_path_factory, embedded_assets) -> Path:
         timeout_s=1200,
     )
     return checkpoint_path(dump, 0)
+
+
+@pytest.fixture(scope="session")
+def hf_seed_checkpoint(tmp_path_factory, seed_checkpoint) -> Path:
+    """``seed_checkpoint``'s weights as a Hugging Face checkpoint, byte for byte.
+
+    What users start from: ``model.safetensors`` and ``config.json`` through
+    torchtitan's state-dict adapter, loaded with ``--checkpoint.initial_load_in_hf``.
+    """
+    from torchtitan_ext.tools.hf_checkpoint import write_hf_checkpoint
+
+    from .training_runs import checkpoint_tensors
+
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("hf_seed"), checkpoint_tensors(seed_checkpoint)
+    )
+

@@ -118,8 +118,13 @@ NON_CP_JOBS = {
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory, seed_checkpoint) -> dict[str, ParityResult]:
-    """The packed suite: control, every CP job, its non-CP baselines, the bugs."""
+def packed(tmp_path_factory, hf_seed_checkpoint) -> dict[str, ParityResult]:
+    """The packed suite: control, every CP job, its non-CP baselines, the bugs.
+
+    Every run starts from the seed in Hugging Face format, as users start
+    from the released weights (``--checkpoint.initial_load_in_hf``): every CP
+    topology loads it through torchtitan's adapter into its own sharding.
+    """
     tests = {
         # The control is held to the tight bounds below, not by the suite.
         CONTROL: ParityCase(
@@ -137,7 +142,7 @@ def packed(tmp_path_factory, seed_checkpoint) -> dict[str, ParityResult]:
         "packed",
         toml_spec("packed.toml", 1),
         tests,
-        seed_checkpoint=seed_checkpoint,
+        seed_checkpoint=hf_seed_checkpoint,
         **CP_BOUNDS,
     )
 

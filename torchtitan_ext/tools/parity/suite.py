@@ -251,10 +251,13 @@ def _start(
         raise ValueError(f"output dir {out} exists and is not empty")
     if not isinstance(seed_checkpoint, bool):
         seed_checkpoint = Path(seed_checkpoint).resolve()
-        if not (seed_checkpoint / ".metadata").is_file():
+        if not (seed_checkpoint / ".metadata").is_file() and not _is_hf(
+            seed_checkpoint
+        ):
             raise ValueError(
-                f"seed_checkpoint {seed_checkpoint} is not a DCP checkpoint "
-                "(no .metadata); pass a step folder, e.g. <dump>/checkpoint/step-0"
+                f"seed_checkpoint {seed_checkpoint} is neither a DCP checkpoint "
+                "(no .metadata) nor a Hugging Face one (no config.json and "
+                "*.safetensors); pass a step folder, e.g. <dump>/checkpoint/step-0"
             )
     out.mkdir(parents=True, exist_ok=True)
     return _Session(
@@ -321,10 +324,15 @@ def _seed_json(s: _Session) -> dict[str, Any]:
     return {"seed_options": s.seed_options if s.seed_checkpoint else None}
 
 
+def _is_hf(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def _load_seed_args(seed_path: Path) -> list[str]:
     return [
         f"--checkpoint.initial_load_path={seed_path}",
         "--checkpoint.initial_load_model_only",
+        *(["--checkpoint.initial_load_in_hf"] if _is_hf(seed_path) else []),
     ]
 
 

@@ -1,0 +1,180 @@
+"""Hugging Face weights in and out of the CP jobs, and transformers as reference.
+
+One Hugging Face checkpoint of the debug model (``tools.hf_checkpoint``:
+seeded, constant-initialised parameters drawn) and a DCP checkpoint of the
+same weights. Each CP job loads the HF one with torchtitan's own
+``--checkpoint.initial_load_in_hf`` (``tests/hf_load_worker.py`` on torchrun
+ranks, the real Trainer) and must hold, on every rank, bitwise the shards the
+DCP one gives: the state-dict adapter's q/k permutes run on DTensors sharded
+over FSDP, TP and cp. CP2 (both vision modes) and CP4 (sharded) also give
+their logits on ``hf_reference.BATCHES``, compared with transformers'
+``MuseGlimmerForConditionalGeneration`` on the same checkpoint at the bounds of
+``tests/unit/test_transformers_reference.py`` (one image's rows off by one
+must fail them). CP2 sharded then trains a step and exports with
+``--checkpoint.last_save_in_hf``: the export is its trained state, bitwise,
+and transformers loads it. The packed parity suite (``test_parity_cp.py``)
+trains every CP job from the seed in HF format.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from torchtitan_ext.muse_glimmer import model_registry
+from torchtitan_ext.tools.hf_checkpoint import (
+    FLAVOR,
+    seeded_state_dict,
+    write_hf_checkpoint,
+)
+
+from ..hf_reference import BATCHES, caption_loss, hf_logits, make_batch, relative_error
+from ..training_runs import REPO
+from ..unit.test_transformers_reference import LOGIT_REL_TOL, LOSS_TOL
+
+TIMEOUT_S = 600
+SHARDED = ["--parallelism.context_parallel_vision", "sharded"]
+SEQ = ["--training.seq_len", "512", "--training.local_batch_size", "2"]
+
+# job: (TOML, ranks, flags, compare logits with transformers)
+JOBS = {
+    "cp2": ("cp2.toml", 2, [], True),
+    "cp2_sharded_vision": ("cp2.toml", 2, SHARDED, True),
+    "cp4_sharded_vision": ("cp4.toml", 4, SHARDED, True),
+    "tp2_cp2_sp": ("tp2_cp2_sp.toml", 4, [], False),
+    "cp2_pp2": ("cp2_pp2.toml", 4, [], False),
+    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", 4, SHARDED, False),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("hf_checkpoint")
+    state = seeded_state_dict(0)
+    dcp.save(state, checkpoint_id=str(out / "dcp"))
+    batches = [(name, make_batch(name)) for name in BATCHES]
+    torch.save(
+        [
+            (n, {"input_dict": b["input_dict"], "labels": b["labels"]})
+            for n, b in batches
+        ],
+        out / "batches.pt",
+    )
+    return {
+        "hf": write_hf_checkpoint(out / "hf", state),
+        "dcp": out / "dcp",
+        "batches": out / "batches.pt",
+        "out": out,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_logits(checkpoints) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    model = MuseGlimmerForConditionalGeneration.from_pretrained(
+        checkpoints["hf"], attn_implementation="eager"
+    ).eval()
+    return {
+        name: (hf_logits(model, batch["hf_rows"]), batch["labels"])
+        for name, batch in ((name, make_batch(name)) for name in BATCHES)
+    }
+
+
+def _run_worker(checkpoints, name: str, job: str, *options: str) -> dict:
+    toml, ngpu, flags, _ = JOBS[job]
+    out = checkpoints["out"] / name / "results.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ngpu),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        "-m",
+        "tests.hf_load_worker",
+        "--hf",
+        str(checkpoints["hf"]),
+        "--out",
+        str(out),
+        *options,
+        "--",
+        "--job.config_file",
+        str(REPO / "train_configs" / toml),
+        *SEQ,
+        *flags,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_hf_load_equals_dcp_load_and_matches_transformers(
+    checkpoints, reference_logits, job
+):
+    compare_logits = JOBS[job][3]
+    options = ["--dcp", str(checkpoints["dcp"])]
+    if compare_logits:
+        options += ["--batches", str(checkpoints["batches"])]
+    results = _run_worker(checkpoints, job, job, *options)
+    assert results["unequal_to_dcp"] == []
+    if not compare_logits:
+        return
+    for name, (want, labels) in reference_logits.items():
+        got = results["logits"][name]
+        error = relative_error(got, want)
+        dloss = abs(caption_loss(got, labels) - caption_loss(want, labels)).item()
+        bug = results["logits_rows_off_by_one"][name]
+        bug_error = relative_error(bug, want)
+        print(
+            f"{job} {name}: max|dlogit|/max|logit|={error:.2e} |dloss|={dloss:.2e}"
+            f"; rows off by one: {bug_error:.2e}"
+        )
+        assert error <= LOGIT_REL_TOL and dloss <= LOSS_TOL, (name, error, dloss)
+        assert bug_error > LOGIT_REL_TOL, name
+
+
+def test_export_from_cp2_sharded_is_its_trained_state(checkpoints):
+    results = _run_worker(checkpoints, "export", "cp2_sharded_vision", "--export")
+    export = checkpoints["out"] / "export" / "checkpoint" / "step-1"
+    from torchtitan.models.muse_glimmer.state_dict_adapter import (
+        MuseGlimmerStateDictAdapter,
+    )
+
+    hf_state = {}
+    for path in export.glob("*.safetensors"):
+        hf_state |= load_file(path)
+    exported = MuseGlimmerStateDictAdapter(model_registry(FLAVOR).model, None).from_hf(
+        hf_state
+    )
+    trained = results["trained_state"]
+    assert exported.keys() == trained.keys()
+    unequal = [k for k, v in trained.items() if not torch.equal(exported[k], v)]
+    assert not unequal, unequal[:5]
+    seed = load_file(checkpoints["hf"] / "model.safetensors")
+    assert any(not torch.equal(hf_state[k], seed[k]) for k in seed), "nothing trained"
+
+    from transformers import MuseGlimmerForConditionalGeneration
+
+    shutil.copy(checkpoints["hf"] / "config.json", export)
+    model = MuseGlimmerForConditionalGeneration.from_pretrained(export)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in hf_state.items())
+    assert (
+        json.loads((export / "config.json").read_text())["model_type"] == "muse_glimmer"
+    )

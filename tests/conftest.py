@@ -66,4 +66,3 @@ def hf_seed_checkpoint(tmp_path_factory, seed_checkpoint) -> Path:
     return write_hf_checkpoint(
         tmp_path_factory.mktemp("hf_seed"), checkpoint_tensors(seed_checkpoint)
     )
-

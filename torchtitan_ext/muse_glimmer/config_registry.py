@@ -5,7 +5,6 @@ Each function returns a whole ``MuseGlimmerTrainer.Config``; select one with
 ``--module torchtitan_ext.muse_glimmer --config <function>``.
 """
 
-
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.models.muse_glimmer import config_registry as upstream
 from torchtitan.trainer import Trainer

@@ -61,7 +61,8 @@ def test_default_train_command_halves_the_loss(tmp_path):
 
     It writes where the README says: TensorBoard under ``outputs/tb`` and the
     final model checkpoint under ``outputs/checkpoint/step-16``, in the
-    directory it runs from.
+    directory it runs from. Run again, it resumes there and says that it has
+    nothing left to train, and how to start over.
     """
     _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path)
     out = tmp_path / "outputs"
@@ -70,3 +71,6 @@ def test_default_train_command_halves_the_loss(tmp_path):
     assert len(losses) == 16
     assert losses[-1] < losses[0] / 2, losses
     assert (out / "checkpoint" / "step-16" / ".metadata").is_file()
+    again = _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path)
+    assert "Resumed at step 16" in again and "nothing left to train" in again
+    assert "step:  1 " not in again

@@ -7,6 +7,13 @@ the installed torchtitan's function differs from this one by anything else.
 Under CP, FSDP's mesh is (dp_shard, cp): the vision parameters are ``R`` on cp
 (``sharding.py``), so their gradients are summed over the CP ranks, each of
 which used only its own tokens' feature rows.
+
+``apply_compile`` here is torchtitan's, except that a module without a
+``layers`` block stack (the vision adapter, a two-layer MLP) is left eager:
+0.3.0's function raises ``AttributeError`` on it, so ``--compile.enable``
+failed for every multimodal muse_glimmer job, upstream's included. torchtitan
+PR #4806 (merged after 0.3.0) stops compiling the adapter; this does the same
+without touching the function body the guard test compares.
 """
 
 from torchtitan.config import (
@@ -17,7 +24,7 @@ from torchtitan.config import (
 )
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
-from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.compile import apply_compile as _upstream_apply_compile
 from torchtitan.distributed.fsdp import (
     apply_fsdp_to_decoder,
     apply_fsdp_to_vision_encoder,
@@ -27,7 +34,17 @@ from torchtitan.tools.logging import logger
 
 from .model import MuseGlimmerModel
 
-__all__ = ["parallelize_muse_glimmer"]
+__all__ = ["apply_compile", "parallelize_muse_glimmer"]
+
+
+def apply_compile(model, *, compile_config: CompileConfig, parallel_dims) -> None:
+    """torchtitan's per-block compile; a module without ``layers`` stays eager."""
+    if not hasattr(model, "layers"):
+        logger.info(f"{type(model).__name__} has no block stack: left uncompiled")
+        return
+    _upstream_apply_compile(
+        model, compile_config=compile_config, parallel_dims=parallel_dims
+    )
 
 
 def parallelize_muse_glimmer(

@@ -323,6 +323,23 @@ class MuseGlimmerTrainer(Trainer):
         check_job_config(self.config, int(os.environ.get("WORLD_SIZE", "1")))
         return super().init_distributed()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Upstream's, saying so when a resumed job has nothing left to train.
+
+        A second ``./run_train.sh`` finds the first one's final checkpoint in
+        the same dump folder, resumes from it and would end without a word.
+        """
+        super().load_state_dict(state_dict)
+        steps = self.config.training.steps
+        if self.step >= steps:
+            folder = self.checkpointer.folder
+            logger.warning(
+                f"Resumed at step {self.step} from the checkpoint in {folder}, "
+                f"and training.steps is {steps}: nothing left to train. To start "
+                f"over, pass another --dump_folder or delete {folder}; to train "
+                "on, raise --training.steps."
+            )
+
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
         """Reject a batch whose placeholders and images disagree, while it is on CPU."""
         geometry = VisionGeometry.of(self.model_config)

@@ -3,7 +3,7 @@
 torchtitan 0.3.0 assumes an accelerator: with none present it picks ``"cuda"``,
 and several modules copy ``device_type``/``device_module`` out of
 ``torchtitan.tools.utils`` when they are imported. ``apply()`` therefore has to
-run before the rest of torchtitan is imported. It changes four things, and
+run before the rest of torchtitan is imported. It changes five things, and
 only when no accelerator is present (on a GPU machine it returns at once):
 
 1. ``device_type`` becomes ``"cpu"`` (gloo process groups) and ``device_module``
@@ -19,6 +19,13 @@ only when no accelerator is present (on a GPU machine it returns at once):
 4. Block masks are built by eager ``create_block_mask``: the compiled one works
    but costs inductor half a minute per new shape in every process. The masks
    are the same.
+5. ``--compile.backend aot_eager`` stays plain ``aot_eager``: torchtitan wraps
+   it in ``regional_inductor`` for flex models, which hands the flex region to
+   inductor, whose CPU flex lowering returns the output alone (no logsumexp)
+   and so fails any graph that trains (``IndexError: tuple index out of
+   range``). Under plain ``aot_eager`` dynamo and AOT autograd trace the flex
+   op and run its dense kernels, as eager does. ``inductor`` itself fails the
+   same way on CPU for the blocks: see ``tests/multiprocess/test_compile.py``.
 """
 
 import os
@@ -204,6 +211,19 @@ def _keep_eager_flex_under_determinism() -> None:
     dist_utils.set_determinism = set_determinism_with_eager_flex
 
 
+def _keep_aot_eager_plain() -> None:
+    from torchtitan.distributed import compile as tt_compile
+
+    choose_backend = tt_compile._maybe_regional_inductor_backend
+
+    def backend_without_inductor_flex(model, backend: str):
+        if backend == "aot_eager":
+            return backend
+        return choose_backend(model, backend)
+
+    tt_compile._maybe_regional_inductor_backend = backend_without_inductor_flex
+
+
 def _force_sum_reduction_in_fsdp() -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -231,5 +251,6 @@ def apply() -> None:
     _use_eager_flex_attention()
     _use_eager_create_block_mask()
     _keep_eager_flex_under_determinism()
+    _keep_aot_eager_plain()
     _force_sum_reduction_in_fsdp()
     _active = True

@@ -88,32 +88,25 @@ def reference_logits(checkpoints) -> dict[str, tuple[torch.Tensor, torch.Tensor]
     }
 
 
-def _run_worker(checkpoints, name: str, job: str, *options: str) -> dict:
-    toml, ngpu, flags, _ = JOBS[job]
-    out = checkpoints["out"] / name / "results.pt"
+EXPORTING_JOB = "cp2_sharded_vision"
+
+
+def _run_worker(checkpoints, job: str) -> dict:
+    """``hf_load_worker`` on ``job``: the DCP comparison, logits, export as set."""
+    toml, ngpu, flags, compare_logits = JOBS[job]
+    out = checkpoints["out"] / job / "results.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
+    options = ["--dcp", str(checkpoints["dcp"])]
+    if compare_logits:
+        options += ["--batches", str(checkpoints["batches"])]
+    if job == EXPORTING_JOB:
+        options.append("--export")
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(ngpu),
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        "localhost:0",
-        "-m",
-        "tests.hf_load_worker",
-        "--hf",
-        str(checkpoints["hf"]),
-        "--out",
-        str(out),
-        *options,
-        "--",
-        "--job.config_file",
-        str(REPO / "train_configs" / toml),
-        *SEQ,
-        *flags,
+        *(sys.executable, "-m", "torch.distributed.run"),
+        *("--nproc_per_node", str(ngpu), "--rdzv_backend", "c10d"),
+        *("--rdzv_endpoint", "localhost:0", "-m", "tests.hf_load_worker"),
+        *("--hf", str(checkpoints["hf"]), "--out", str(out), *options, "--"),
+        *("--job.config_file", str(REPO / "train_configs" / toml), *SEQ, *flags),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
@@ -123,23 +116,32 @@ def _run_worker(checkpoints, name: str, job: str, *options: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def results(checkpoints):
+    """Each job's worker results, run once on first use."""
+    cache: dict[str, dict] = {}
+
+    def of(job: str) -> dict:
+        if job not in cache:
+            cache[job] = _run_worker(checkpoints, job)
+        return cache[job]
+
+    return of
+
+
 @pytest.mark.parametrize("job", list(JOBS))
 def test_hf_load_equals_dcp_load_and_matches_transformers(
-    checkpoints, reference_logits, job
+    results, reference_logits, job
 ):
-    compare_logits = JOBS[job][3]
-    options = ["--dcp", str(checkpoints["dcp"])]
-    if compare_logits:
-        options += ["--batches", str(checkpoints["batches"])]
-    results = _run_worker(checkpoints, job, job, *options)
-    assert results["unequal_to_dcp"] == []
-    if not compare_logits:
+    result = results(job)
+    assert result["unequal_to_dcp"] == []
+    if not JOBS[job][3]:
         return
     for name, (want, labels) in reference_logits.items():
-        got = results["logits"][name]
+        got = result["logits"][name]
         error = relative_error(got, want)
         dloss = abs(caption_loss(got, labels) - caption_loss(want, labels)).item()
-        bug = results["logits_rows_off_by_one"][name]
+        bug = result["logits_rows_off_by_one"][name]
         bug_error = relative_error(bug, want)
         print(
             f"{job} {name}: max|dlogit|/max|logit|={error:.2e} |dloss|={dloss:.2e}"
@@ -149,9 +151,10 @@ def test_hf_load_equals_dcp_load_and_matches_transformers(
         assert bug_error > LOGIT_REL_TOL, name
 
 
-def test_export_from_cp2_sharded_is_its_trained_state(checkpoints):
-    results = _run_worker(checkpoints, "export", "cp2_sharded_vision", "--export")
-    export = checkpoints["out"] / "export" / "checkpoint" / "step-1"
+def test_export_from_cp2_sharded_is_its_trained_state(checkpoints, results):
+    """After its checks, CP2 sharded trains a step and exports in HF format."""
+    trained = results(EXPORTING_JOB)["trained_state"]
+    export = checkpoints["out"] / EXPORTING_JOB / "checkpoint" / "step-1"
     from torchtitan.models.muse_glimmer.state_dict_adapter import (
         MuseGlimmerStateDictAdapter,
     )
@@ -162,7 +165,6 @@ def test_export_from_cp2_sharded_is_its_trained_state(checkpoints):
     exported = MuseGlimmerStateDictAdapter(model_registry(FLAVOR).model, None).from_hf(
         hf_state
     )
-    trained = results["trained_state"]
     assert exported.keys() == trained.keys()
     unequal = [k for k, v in trained.items() if not torch.equal(exported[k], v)]
     assert not unequal, unequal[:5]

@@ -8,15 +8,13 @@ its final model-only checkpoint. It must predict caption tokens clearly better
 with its own images than with images shuffled across samples, on the training
 set and on freshly drawn images.
 
-Measured (150 steps; the runs are deterministic), embedded / held-out images:
-1 rank  true 0.5876 / 0.6068, shuffled 0.7724 / 0.7567, gap 0.185 / 0.150;
-CP2     true 0.5889 / 0.6056, shuffled 0.6938 / 0.6963, gap 0.105 / 0.091.
-The 1-rank row is not rerun here (173 s of CI): ``python -m
-torchtitan_ext.tools.probe_seeds --out DIR --fp32 --jobs packed cp2 --seeds 42``
-trains and probes both, bitwise these runs. The untrained seed scores exactly
-ln(2048) either way (its output norm is 0). About 5 minutes on 2 idle cores:
-seed 14 s, CP2 279 s, probes 9 s. Fewer steps leave CP2's gap too small
-(0.029 at step 90).
+Measured (150 steps; the runs are deterministic on one machine, not across
+CPU types), embedded / held-out images, CP2 on an Intel Xeon: true 0.6724 /
+0.6881, shuffled 0.7831 / 0.7731, gap 0.111 / 0.085 (``vision_probe.PROBE_LR``
+says why lr 2e-3). The untrained seed scores exactly ln(2048) either way (its
+output norm is 0). About 6 minutes on 2 cores: seed 14 s, CP2 ~320 s, probes
+9 s. ``python -m torchtitan_ext.tools.probe_seeds --out DIR --fp32 --jobs
+packed cp2 --seeds 42`` trains and probes 1 rank and CP2 the same way.
 
 fp32 parameters, as the parity suites use; the jobs' default bf16 mixed
 precision is measured over seeds by ``probe_seeds`` (README, "Vision probe").

@@ -31,6 +31,7 @@ from torchtitan_ext.tools.hf_checkpoint import seeded_state_dict, write_hf_check
 
 from ..hf_reference import (
     BATCHES,
+    SEQ_LEN,
     caption_loss,
     hf_logits,
     make_batch,
@@ -140,3 +141,19 @@ def test_torchtitan_030_position_grid_is_caught(models, monkeypatch):
     error, dloss = _non_square_error(plugin, reference)
     print(f"0.3.0 resampler: max|dlogit|/max|logit|={error:.2e} |dloss|={dloss:.2e}")
     assert error > LOGIT_REL_TOL and dloss > LOSS_TOL
+
+
+def test_transformers_rejects_the_cut_image_the_plugin_reads(models):
+    """Cut by the end of its row, the image's placeholders are fewer than its
+    features: transformers refuses the row; the plug-in gathers the rows that
+    fit, which causal attention makes the uncut row's prefix (compared above)."""
+    _, reference = models
+    row = make_batch("unpacked_with_cut_image")["hf_rows"][1]
+    cut = {key: value[:, :SEQ_LEN] for key, value in row.items() if "ids" in key}
+    with pytest.raises(ValueError, match="Image features and image tokens do not"):
+        reference(
+            **cut,
+            pixel_values=row["pixel_values"],
+            image_grid_thw=row["image_grid_thw"],
+            use_cache=False,
+        )

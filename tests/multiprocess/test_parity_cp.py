@@ -13,10 +13,14 @@ CP change could ship are planted in runs of the same suite
 with FSDP2 in ``test_resume.py``, on the runs it resumes from: two data
 ranks read other samples than one rank.
 TP2xCP2xPP2+SP's resume is checked here, on its suite run (8 ranks are the
-costliest run of CI).
+costliest run of CI). The CP jobs compiled (``--compile.enable``, both vision
+modes, TP2+CP2+SP; ``tests/compile_report.py`` says what compiles and with
+which backend) are in the suite too: against 1 rank, against the same job
+eager, and with dynamo's graph breaks and recompilations counted on every rank.
 """
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,15 @@ from torchtitan_ext.tools.parity import (
     read_tb_scalars,
 )
 
+from ..compile_report import (
+    COMPILE,
+    REPORT_ENV,
+    SHAPE_RECOMPILES,
+    VARIANT_RECOMPILES,
+    cause,
+    read_reports,
+    summarize,
+)
 from ..parity_suites import (
     CP_BOUNDS,
     GRAD_NORM_TOL,
@@ -90,6 +103,16 @@ SHARPEST = {
     "cp2_pp2": "pp2",
     "cp2_pp2_interleaved": "pp2",
     "tp2_cp2_pp2_sp": "tp2_pp2_sp",
+    # Compiled: the same job eager (typechecking changes no number).
+    "cp2_compiled": "cp2_ptrr_typechecked",
+    "cp2_sharded_vision_compiled": "cp2_sharded_vision_typechecked",
+    "tp2_cp2_sp_compiled": "tp2_cp2_sp_typechecked",
+}
+# Compiled jobs: TOML, ranks, options; trained through tests/compile_report.py.
+COMPILED_JOBS = {
+    "cp2_compiled": ("cp2.toml", 2, ""),
+    "cp2_sharded_vision_compiled": ("cp2.toml", 2, SHARDED_VISION),
+    "tp2_cp2_sp_compiled": ("tp2_cp2_sp.toml", 4, ""),
 }
 CP_JOBS = {
     "cp2_ptrr_typechecked": _registry_job("cp2_typechecked", 2),
@@ -117,8 +140,26 @@ NON_CP_JOBS = {
 }
 
 
+def _compiled(name: str, reports: Path) -> ParityCase:
+    toml, ngpu, options = COMPILED_JOBS[name]
+    spec = toml_spec(toml, ngpu, f"{COMPILE} {options}".strip())
+    spec.env = {
+        "TRAIN_FILE": "tests.compile_report",
+        "PYTHONPATH": str(REPO),
+        REPORT_ENV: str(reports / name),
+    }
+    return ParityCase(spec, control=CONTROL)
+
+
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory, hf_seed_checkpoint) -> dict[str, ParityResult]:
+def compile_reports(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("compile_reports")
+
+
+@pytest.fixture(scope="module")
+def packed(
+    tmp_path_factory, hf_seed_checkpoint, compile_reports
+) -> dict[str, ParityResult]:
     """The packed suite: control, every CP job, its non-CP baselines, the bugs.
 
     Every run starts from the seed in Hugging Face format, as users start
@@ -135,6 +176,7 @@ def packed(tmp_path_factory, hf_seed_checkpoint) -> dict[str, ParityResult]:
             for name, spec in NON_CP_JOBS.items()
         },
         **{name: ParityCase(spec, control=CONTROL) for name, spec in CP_JOBS.items()},
+        **{name: _compiled(name, compile_reports) for name in COMPILED_JOBS},
         **{f"planted_{bug}": _planted(bug) for bug in PLANTED_BUGS},
     }
     return run_suite(
@@ -167,7 +209,7 @@ def test_the_control_is_one_rank_reordered(packed):
     assert control.passed, control.failures
 
 
-@pytest.mark.parametrize("name", [*NON_CP_JOBS, *CP_JOBS])
+@pytest.mark.parametrize("name", [*NON_CP_JOBS, *CP_JOBS, *COMPILED_JOBS])
 def test_matches_one_rank(packed, name):
     """Each job vs 1 rank: per-step bounds and every first moment."""
     result = packed[name]
@@ -200,6 +242,38 @@ def test_matches_its_sharpest_baseline(packed, name, baseline):
     )
     assert pair.passed, pair.failures
     assert moments.passed, moments.failures
+
+
+@pytest.mark.parametrize("name", COMPILED_JOBS)
+def test_compiled_has_no_graph_break_nor_recompile_after_step_2(
+    packed, compile_reports, name
+):
+    """Every rank: no graph break, no cache limit hit, recompiles as measured.
+
+    Each rank's image count changes from step 1 to 2 and varies after (checked
+    here, so that "no recompilation after step 2" says something; sharded
+    vision changes each rank's share every step): from step 2 on the vision
+    blocks are dynamic in the image count.
+    """
+    assert packed[name].test is not None, packed[name].failures
+    by_rank = read_reports(compile_reports / name)
+    print(f"packed/{name}:", *summarize(by_rank), sep="\n  ")
+    assert sorted(by_rank) == list(range(COMPILED_JOBS[name][1])), by_rank.keys()
+    for rank, report in by_rank.items():
+        counts = [sum(len(i["grid_thw"]) for i in s["images"]) for s in report["steps"]]
+        assert len(counts) == STEPS, (rank, counts)
+        assert STEPS == 1 or counts[0] != counts[1], (rank, counts)
+        assert STEPS <= 3 or len(set(counts[1:])) > 1, (rank, counts)
+        assert report["graph_breaks"] == {}, (rank, report["graph_breaks"])
+        assert report["limits_hit"] == [], (rank, report["limits_hit"])
+        causes = Counter((e["step"], cause(e)) for e in report["recompiles"])
+        expected = {(1, "variant"): VARIANT_RECOMPILES}
+        if STEPS >= 2:
+            expected[(2, "shape")] = SHAPE_RECOMPILES
+        assert causes == expected, (rank, report["recompiles"])
+        # The blocks' one code object: 1 + 6 cache entries, one short of the limit.
+        assert 1 + len(report["recompiles"]) < report["recompile_limit"]
+        assert report["unique_graphs"] == 1 + len(report["recompiles"]) + 1
 
 
 @pytest.mark.parametrize("bug", PLANTED_BUGS)

@@ -3,7 +3,9 @@
 import ast
 import difflib
 import inspect
+import types
 
+import pytest
 from torchtitan.models.muse_glimmer import parallelize as upstream_parallelize
 from torchtitan.models.muse_glimmer import vision_encoder as upstream_vision_encoder
 
@@ -135,3 +137,34 @@ def test_encoder_override_is_upstreams_call_to_the_backport():
         statement.replace("_vision_pos_embed(", "vision_pos_embed(")
         for statement in upstream
     ]
+
+
+def test_torchtitan_apply_compile_still_fails_on_the_vision_adapter():
+    """0.3.0's ``apply_compile`` raises on a module without ``layers``.
+
+    The plug-in's ``parallelize.apply_compile`` leaves such a module eager, as
+    torchtitan PR #4806 does; once the installed torchtitan no longer raises,
+    drop the wrapper.
+    """
+    import torch
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed import compile as upstream_compile
+
+    adapter = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with (
+        torch._dynamo.config.patch(
+            capture_scalar_outputs=False,
+            skip_fwd_side_effects_in_bwd_under_checkpoint=False,
+        ),
+        pytest.raises(AttributeError, match="layers"),
+    ):
+        upstream_compile.apply_compile(
+            adapter,
+            compile_config=CompileConfig(enable=True),
+            parallel_dims=types.SimpleNamespace(tp_enabled=False),
+        )
+    plugin_parallelize.apply_compile(
+        adapter,
+        compile_config=CompileConfig(enable=True),
+        parallel_dims=types.SimpleNamespace(tp_enabled=False),
+    )

@@ -1,0 +1,396 @@
+"""One CUDA GPU, under 8 minutes, one JSON: what the CPU benchmarks cannot measure.
+
+Each section is a subprocess with a time limit, all within ``--budget-s``; one
+that fails or times out leaves an ``error`` beside what it had saved.
+
+- ``one_rank_plugin`` / ``one_rank_upstream``: ``train_configs/default.toml``
+  against torchtitan's own ``muse_glimmer_debugmodel_mm`` (0.3.0 as shipped,
+  without #4244: the rows' images are square, which that bug leaves alone),
+  each its real Trainer on 1 rank (NCCL), flex attention compiled as on any GPU. Per
+  ``--images`` count, a ``_cp_degrees.synthetic_batch`` row: tokens/s (median
+  ``_cp_step.train_step`` of ``--steps``, after ``--warmup``), peak allocated /
+  reserved memory over those steps, then the host syncs of one more step by
+  phase and owner (``host_syncs.py``'s recorder), images of 4 tokens: dynamo
+  does not compile under the recorder, and eager flex attention would
+  materialise 64 large images' scores (``batch_generator``: CPU batch reads).
+- ``injection``: ``vision_injection.py`` as is (it has no device: CPU tensors).
+- ``planned``: ``tools.estimate`` on ``--planner-config-file`` (30B_mm, FSDP4 x
+  CP4 x TP2 + SP, 32 ranks) with CUDA hidden: the CPU backend, as tested.
+- ``real_step``: that job's first planned rank on the fake process group
+  (``simulated_cluster``), the planner's batch prepared by the Trainer's hooks
+  on the GPU, the shard materialised there (no ``init_weights``), then
+  ``--real-steps`` of the planner's ``_train_step``, each with its peaks (the
+  first compiles flex attention). Fake collectives move no data (their outputs
+  are garbage of the right shape): memory is real; values and NCCL's are not.
+
+    python benchmarks/gpu_check.py            # outputs/benchmarks/gpu_check.json
+    python benchmarks/gpu_check.py --dry-run  # no GPU: jobs built, plan printed
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the helpers, also when imported
+ONE_RANK = {"one_rank_plugin": "plugin", "one_rank_upstream": "upstream"}
+IN_TURN = (*ONE_RANK, "real_step")  # on the GPU, one after another
+BESIDE = ("planned", "injection")  # on the CPU, from the start
+LIMITS_S = {"one_rank_plugin": 140, "one_rank_upstream": 110, "real_step": 200}
+LIMITS_S |= {"planned": 460, "injection": 300}
+SYNC_TOKENS_PER_IMAGE = 4
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = p.add_argument
+    add("--dry-run", action="store_true", help="build the jobs, print the plan")
+    add("--json", type=Path, default=REPO / "outputs/benchmarks/gpu_check.json")
+    add("--budget-s", type=float, default=460, help="for all sections")
+    add("--seq-len", type=int, default=8192)
+    add("--images", type=int, nargs="+", default=[1, 64], help="per row")
+    add("--tokens-per-image", type=int, default=64)
+    add("--warmup", type=int, default=2, help="untimed steps per image count")
+    add("--steps", type=int, default=10, help="timed steps per image count")
+    add("--injection-args", default="--images 1 16 64 --dims 256 6656 --repeats 3")
+    add("--planner-config-file", default="train_configs/30b_mm_fsdp4_cp4_tp2_sp.toml")
+    add("--planner-args", default="", help="the planned job's torchtitan flags")
+    add("--planner-images", type=int, default=64, help="per row")
+    add("--real-steps", type=int, default=2)
+    add("--section", choices=IN_TURN, help=argparse.SUPPRESS)
+    add("--section-out", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def _plan(args, argv: list[str], folder: Path) -> dict:
+    """Each section's command, environment and time limit."""
+    import _cp_degrees
+
+    py, out = sys.executable, {name: str(folder / f"{name}.json") for name in LIMITS_S}
+    commands = {
+        name: [py, __file__, *argv, "--section", name, "--section-out", out[name]]
+        for name in IN_TURN
+    }
+    commands["planned"] = [py, "-m", "torchtitan_ext.tools.estimate", "--json"]
+    commands["planned"] += [out["planned"], "--config-file", args.planner_config_file]
+    commands["planned"] += ["--images", str(args.planner_images)]
+    commands["planned"] += shlex.split(args.planner_args)
+    commands["injection"] = [py, "benchmarks/vision_injection.py", "--json"]
+    commands["injection"] += [out["injection"], *shlex.split(args.injection_args)]
+    env = {"planned": {"CUDA_VISIBLE_DEVICES": ""}}
+    for name in ONE_RANK:  # a world of one, as torchrun would set it (no agent)
+        env[name] = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        env[name] |= {"LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        env[name]["MASTER_PORT"] = str(_cp_degrees._free_port())
+    return {
+        name: {"command": command, "env": env.get(name, {}), "limit_s": LIMITS_S[name]}
+        for name, command in commands.items()
+    }
+
+
+def _start(name: str, section: dict, folder: Path) -> tuple:
+    (folder / f"{name}.json").unlink(missing_ok=True)
+    with open(folder / f"{name}.log", "w") as log:
+        command, env = section["command"], os.environ | section["env"]
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True
+        )  # a session of its own: killed with any child
+    return name, proc, time.monotonic() + section["limit_s"]
+
+
+def _finish(run: tuple, folder: Path, deadline: float) -> dict:
+    """The section's JSON and its error: None, or why and its log's end."""
+    name, proc, end = run
+    try:
+        code = proc.wait(max(min(end, deadline) - time.monotonic(), 0))
+        error = f"exit code {code}" if code else None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        error = "out of time"
+    if error:
+        error += ": ..." + (folder / f"{name}.log").read_text(errors="replace")[-3000:]
+    out = folder / f"{name}.json"
+    return {
+        "error": error,
+        "result": json.loads(out.read_text()) if out.exists() else None,
+    }
+
+
+def _ratios(sections: dict) -> dict:
+    """Plug-in over upstream per image count; the real steps over the planned peak."""
+    plugin, upstream = ((sections[n]["result"] or {}).get("rows", []) for n in ONE_RANK)
+    keys = ("tokens_per_s", "max_allocated_bytes", "max_reserved_bytes")
+    theirs = {row["images"]: row for row in upstream if keys[-1] in row}
+    real = sections["real_step"]["result"] or {}
+    planned = (sections["planned"]["result"] or {}).get("rows", [])
+    peak = next((r["peak"] for r in planned if r["rank"] == real.get("rank")), None)
+    return {
+        "plugin / upstream": [
+            {"images": row["images"]}
+            | {key: row[key] / theirs[row["images"]][key] for key in keys}
+            for row in plugin
+            if row["images"] in theirs and keys[-1] in row
+        ],
+        "real step / planned peak": [
+            {key: step[key] / peak for key in keys[1:]}
+            for step in real.get("steps", [])
+            if peak and keys[-1] in step
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, argv = _parser(), sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if args.section:
+        _run_section(args)  # exits
+    if math.isqrt(args.tokens_per_image) ** 2 != args.tokens_per_image or (
+        2 * max(args.images) * args.tokens_per_image > args.seq_len
+    ):
+        parser.error("--tokens-per-image: a square; the images: half a row at most")
+    folder = args.json.parent / "gpu_check_logs"
+    plan = _plan(args, [arg for arg in argv if arg != "--dry-run"], folder)
+    if args.dry_run:
+        print(json.dumps(_dry_run(args, plan), indent=2))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check.py needs a CUDA device; --dry-run runs without one")
+    folder.mkdir(parents=True, exist_ok=True)
+    start, sections = time.monotonic(), {}
+    deadline = start + args.budget_s
+    beside = [_start(name, plan[name], folder) for name in BESIDE]
+    for name in IN_TURN:
+        sections[name] = _finish(_start(name, plan[name], folder), folder, deadline)
+    for run in beside:
+        sections[run[0]] = _finish(run, folder, deadline)
+    report = {"argv": argv, "wall_s": round(time.monotonic() - start)}
+    report |= {"ratios": _ratios(sections), "sections": sections}
+    args.json.write_text(json.dumps(report, indent=2))
+    for name, section in sections.items():
+        print(f"{name}: {(section['error'] or 'ok')[:300]}")
+    print(json.dumps(report["ratios"], indent=2), f"\nJSON: {args.json}")
+    return 0
+
+
+def _run_section(args) -> None:
+    """A section's worker; what it saves survives its end or a timeout."""
+    from _cp_step import exit_worker
+
+    from torchtitan_ext import cpu_backend
+
+    cpu_backend.apply()  # a no-op with CUDA: off it, the workers run on the CPU
+    saved, tmp = {}, args.section_out.with_suffix(".tmp")
+
+    def save(**values) -> None:
+        saved.update(values)
+        tmp.write_text(json.dumps(saved, indent=2))
+        tmp.replace(args.section_out)
+
+    if args.section in ONE_RANK:
+        _one_rank(args, ONE_RANK[args.section], save)
+    else:
+        _real_step(args, save)
+    exit_worker()
+
+
+def _cuda(what: str):
+    """``torch.cuda.<what>()`` (``"peaks"``: peak memory); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if what == "reset_peaks":
+        _cuda("synchronize"), _cuda("empty_cache")
+        what = "reset_peak_memory_stats"
+    if what == "peaks":
+        allocated, reserved = (
+            torch.cuda.max_memory_allocated,
+            torch.cuda.max_memory_reserved,
+        )
+        return {"max_allocated_bytes": allocated(), "max_reserved_bytes": reserved()}
+    return getattr(torch.cuda, what)()
+
+
+def _one_rank_config(args, side: str, dump: str):
+    """The side's job, RoPE sized to ``--seq-len`` (``_cp_degrees._fit_model``)."""
+    import _cp_degrees
+
+    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+    from torchtitan_ext.tools.simulated_cluster import load_job
+
+    job = ["--job.config_file", str(REPO / "train_configs/default.toml")]
+    if side == "upstream":
+        assets = ensure_embedded_assets()
+        job = ["--module", "muse_glimmer", "--config", "muse_glimmer_debugmodel_mm"]
+        job += ["--hf_assets_path", str(assets.tokenizer_dir)]
+        job += ["--dataloader.dataset_path", str(assets.dataset_dir)]
+    steps = len(args.images) * (args.warmup + args.steps + 1)
+    job += ["--training.seq_len", str(args.seq_len), "--dump_folder", dump]
+    job += ["--training.local_batch_size", "1", "--training.steps", str(steps)]
+    job += ["--metrics.log_freq", str(steps + 1)]  # its logging resets the peaks
+    config = load_job(job)
+    model = config.model_spec.model
+    _cp_degrees._fit_model(model, args.seq_len, len(model.layers))
+    return config
+
+
+def _one_rank(args, side: str, save) -> None:
+    import _cp_degrees
+    import _cp_step
+    import host_syncs as hs
+    import torch
+    from _vision_modes import with_vision_share
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    compiled = hasattr(FlexAttention._compiled_flex_attn, "_torchdynamo_orig_callable")
+    save(side=side, device=_cuda("get_device_name"), flex_compiled=compiled)
+    with tempfile.TemporaryDirectory() as dump:
+        trainer = _one_rank_config(args, side, dump).build()
+        recorder = hs._Recorder(trainer.device)
+        hs._instrument(trainer, recorder)  # phases only; records under recording()
+
+        def batch(images: int, tokens: int):
+            return _cp_degrees.synthetic_batch(trainer, args.seq_len, images, tokens)
+
+        def step(batch) -> float:  # ms of train_step; the batch checked before
+            return _cp_step.train_step(trainer, with_vision_share(trainer, batch))
+
+        rows = []
+        try:
+            for images in args.images:
+                row_batch = batch(images, args.tokens_per_image)
+                for _ in range(args.warmup):
+                    step(row_batch)
+                _cuda("reset_peaks")
+                ms = statistics.median(step(row_batch) for _ in range(args.steps))
+                row = {
+                    "images": images,
+                    "step_ms": ms,
+                    "tokens_per_s": args.seq_len / ms * 1e3,
+                }
+                rows.append(row | (_cuda("peaks") or {}))
+                save(rows=rows)
+            for row in rows:  # last: dynamo does not compile under the recorder
+                recorder.counts.clear()
+                row_batch = batch(row["images"], SYNC_TOKENS_PER_IMAGE)
+                with hs.recording(recorder):
+                    with recorder.in_phase(hs.BATCH_GENERATOR):
+                        checked = with_vision_share(trainer, row_batch)
+                    with recorder.in_phase(hs.REST_OF_STEP):
+                        _cp_step.train_step(trainer, checked)
+                totals = hs._totals(hs._rows([recorder.counts]), 1).items()
+                row["host_syncs"] = {  # phase -> owner (plug-in, torchtitan, torch)
+                    p: {owner: n for owner, (n,) in o.items()} for p, o in totals
+                }
+                save(rows=rows)
+        finally:
+            trainer.close()
+            torch.distributed.destroy_process_group()
+
+
+def _planner_job(args):
+    """The planned job, the planner's batch, world size and first planned rank,
+    as ``tools.estimate.cli.plan_job`` has them (a job without PP)."""
+    from torchtitan_ext.tools.estimate.batch import image_size, synthetic_batch
+    from torchtitan_ext.tools.estimate.planner import ranks_to_plan
+    from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
+
+    job = ["--job.config_file", str(REPO / args.planner_config_file)]
+    config = load_job(job + shlex.split(args.planner_args))
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise ValueError("the real step runs one model part: a job without PP")
+    world, training, model = (
+        job_world_size(config),
+        config.training,
+        config.model_spec.model,
+    )
+    images, seq_len = args.planner_images, training.seq_len
+    size = image_size(
+        model.vision_encoder, seq_len=seq_len, images=images, tokens_per_image=None
+    )
+    rows = training.local_batch_size
+    batch = synthetic_batch(model, rows=rows, seq_len=seq_len, images=images, size=size)
+    return config, batch, world, ranks_to_plan(config, world, batch[0]["grid_thw"])[0]
+
+
+def _real_step(args, save) -> None:
+    import _cp_step
+    from torchtitan.distributed import utils as dist_utils
+
+    from torchtitan_ext.tools.estimate import planner
+    from torchtitan_ext.tools.simulated_cluster import simulated_rank
+
+    config, batch, world, rank = _planner_job(args)
+    steps = []
+    save(rank=rank, device=_cuda("get_device_name"), steps=steps)
+    with simulated_rank(config, rank=rank, world_size=world) as simulated:
+        hooks = planner._hooks_trainer(simulated)  # on torchtitan's device: cuda
+        checked = next(hooks.batch_generator([batch]))  # checked on the CPU
+        inputs, labels, kwargs = hooks.post_dataloading_process(
+            *_cp_step.to_device(hooks, checked)
+        )
+        (part,) = simulated.model_parts
+        part.to_empty(device=hooks.device)  # values do not change memory
+        part.train()
+        optimizers = simulated.config.optimizer.build(model_parts=[part])
+        planner._create_optimizer_state(optimizers)
+        typecheck, parallelism = simulated.config.debug, simulated.config.parallelism
+        context = dist_utils.get_spmd_context(
+            parallel_dims=simulated.parallel_dims,
+            spmd_typechecking=typecheck.spmd_typechecking
+            and parallelism.spmd_backend == "spmd_types",
+        )
+        untracked = types.SimpleNamespace(
+            in_forward=contextlib.nullcontext, end_forward=lambda: None
+        )
+        save(allocated_before_step_bytes=_cuda("memory_allocated"))
+        for _ in range(args.real_steps):
+            _cuda("reset_peaks")
+            start = time.perf_counter()
+            step_inputs = (optimizers, inputs, labels, kwargs)
+            planner._train_step(simulated, context, untracked, *step_inputs)
+            _cuda("synchronize")
+            steps.append({"seconds": time.perf_counter() - start})
+            steps[-1] |= _cuda("peaks") or {}
+            save(steps=steps)
+
+
+def _dry_run(args, plan: dict) -> dict:
+    """The plan, each job built as its section builds it (short of the model)."""
+    from torchtitan_ext import cpu_backend
+
+    cpu_backend.apply()
+    from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+
+    with tempfile.TemporaryDirectory() as dump:
+        for name, side in ONE_RANK.items():
+            config = _one_rank_config(args, side, dump)
+            plan[name]["trainer"] = type(config).__qualname__
+            plan[name]["model"] = type(config.model_spec.model).__module__
+    config, batch, world, rank = _planner_job(args)
+    check_job_config(config, world)
+    images, seq_len = len(batch[0]["grid_thw"]), config.training.seq_len
+    plan["real_step"]["job"] = (
+        f"rank {rank} of {world}, seq_len {seq_len}, {images} images"
+    )
+    return plan
+
+
+if __name__ == "__main__":
+    sys.exit(main())

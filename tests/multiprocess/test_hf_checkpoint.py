@@ -13,7 +13,9 @@ their logits on ``hf_reference.BATCHES``, compared with transformers'
 must fail them). CP2 sharded then trains a step and exports with
 ``--checkpoint.last_save_in_hf``: the export is its trained state, bitwise,
 and transformers loads it. The packed parity suite (``test_parity_cp.py``)
-trains every CP job from the seed in HF format.
+trains every CP job from the seed in HF format, held to 1 rank's within the
+fp32 floor: CI, with fewer parity steps, leaves TP2 + CP2 + SP and CP2 x PP2
+to it (``SUITE_COVERED``); the default ``./run_tests.sh`` runs every job here.
 """
 
 import json
@@ -36,6 +38,7 @@ from torchtitan_ext.tools.hf_checkpoint import (
 )
 
 from ..hf_reference import BATCHES, caption_loss, hf_logits, make_batch, relative_error
+from ..parity_suites import STEPS
 from ..training_runs import REPO
 from ..unit.test_transformers_reference import LOGIT_REL_TOL, LOSS_TOL
 
@@ -89,6 +92,8 @@ def reference_logits(checkpoints) -> dict[str, tuple[torch.Tensor, torch.Tensor]
 
 
 EXPORTING_JOB = "cp2_sharded_vision"
+# Trained from the HF seed by the packed suite too; CI keeps them there only.
+SUITE_COVERED = {"tp2_cp2_sp", "cp2_pp2"}
 
 
 def _run_worker(checkpoints, job: str) -> dict:
@@ -129,7 +134,9 @@ def results(checkpoints):
     return of
 
 
-@pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.parametrize(
+    "job", [job for job in JOBS if STEPS >= 10 or job not in SUITE_COVERED]
+)
 def test_hf_load_equals_dcp_load_and_matches_transformers(
     results, reference_logits, job
 ):

@@ -175,6 +175,14 @@ def train_step(trainer, batch: Batch) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def batch_agreement(trainer, batch: Batch) -> float:
+    """The Trainer's batch agreement check on the CPU ``batch`` (ms)."""
+    barrier()
+    start = time.perf_counter()
+    trainer.batch_agreement.check(*batch, "the benchmark")
+    return (time.perf_counter() - start) * 1e3
+
+
 def is_rank0() -> bool:
     return torch.distributed.get_rank() == 0
 

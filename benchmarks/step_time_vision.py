@@ -10,7 +10,8 @@ post-processing, forward, backward, clipping, optimizer, with a barrier
 before it) on a fresh copy of the synthetic row, carrying this rank's share
 of the images in sharded mode, the modes alternating in pairs (``_pairs``).
 Per step the slowest rank's time; the ratio is sharded over replicated per
-pair, its median and quartiles.
+pair, its median and quartiles. Before each step the Trainer's batch agreement
+check runs on the CPU row (``_cp_step.batch_agreement``), timed on its own.
 
 Defaults: ``--seq-len 2048`` with 16 tokens per image (64 images fill half
 the row, the most the synthetic row allows), 1 and 64 images, 5 pairs, CP2
@@ -28,6 +29,7 @@ at 64 images is a few percent, and a busy host needs more ``--pairs`` to see it.
 import argparse
 
 import _cp_degrees  # benchmarks/, first on sys.path when run as a script
+import _cp_step
 from _vision_modes import (
     compare_slowest_ranks,
     modes_at,
@@ -59,7 +61,10 @@ def _measure_images(args, trainer, modes: list[str], images: int) -> dict:
     )
 
     def timed(mode: str) -> dict[str, float]:
-        return {"step_ms": train_step_in(trainer, mode, batch)}
+        return {
+            "agreement_ms": _cp_step.batch_agreement(trainer, batch),
+            "step_ms": train_step_in(trainer, mode, batch),
+        }
 
     for _ in range(args.warmup):
         for mode in modes:
@@ -81,7 +86,9 @@ def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
             "cp": cp,
             "images": rank_rows[0]["images"],
             "vision_tokens": rank_rows[0]["images"] * args.tokens_per_image,
-            **compare_slowest_ranks([r["times"] for r in rank_rows], ("step_ms",)),
+            **compare_slowest_ranks(
+                [r["times"] for r in rank_rows], ("agreement_ms", "step_ms")
+            ),
             "ranks": rank_rows,
         }
         for cp, ranks in per_cp.items()
@@ -92,7 +99,7 @@ def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     columns = [
         *("CP", "images", "vision tokens", "replicated step ms", "sharded step ms"),
-        *("sharded / replicated", "quartiles"),
+        *("sharded / replicated", "quartiles", "batch agreement ms", "% of step"),
     ]
     cells = [
         [
@@ -102,6 +109,8 @@ def _table(rows: list[dict]) -> str:
                 for key in ("replicated_step_ms", "sharded_step_ms")
             ),
             *ratio_cells(r),
+            f"{r['replicated_agreement_ms']:.2f}",
+            f"{100 * r['replicated_agreement_ms'] / r['replicated_step_ms']:.3f}%",
         ]
         for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
     ]

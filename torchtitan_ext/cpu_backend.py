@@ -3,7 +3,7 @@
 torchtitan 0.3.0 assumes an accelerator: with none present it picks ``"cuda"``,
 and several modules copy ``device_type``/``device_module`` out of
 ``torchtitan.tools.utils`` when they are imported. ``apply()`` therefore has to
-run before the rest of torchtitan is imported. It changes five things, and
+run before the rest of torchtitan is imported. It changes six things, and
 only when no accelerator is present (on a GPU machine it returns at once):
 
 1. ``device_type`` becomes ``"cpu"`` (gloo process groups) and ``device_module``
@@ -25,13 +25,17 @@ only when no accelerator is present (on a GPU machine it returns at once):
    and so fails any graph that trains (``IndexError: tuple index out of
    range``). Under plain ``aot_eager`` dynamo and AOT autograd trace the flex
    op and run its dense kernels, as eager does. ``inductor`` itself fails the
-   same way on CPU for the blocks: see ``tests/multiprocess/test_compile.py``.
+   same way on CPU for the blocks (README, "torch.compile").
+6. ``Trainer.train`` ends without rank 0's 2-second sleep "for other ranks to
+   complete": gloo ranks have nothing left in flight, and every CPU run (the
+   test suite launches about a hundred) paid the 2 s.
 """
 
 import os
 import platform
 import resource
 import sys
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,6 +228,16 @@ def _keep_aot_eager_plain() -> None:
     tt_compile._maybe_regional_inductor_backend = backend_without_inductor_flex
 
 
+def _skip_closing_sleep() -> None:
+    from torchtitan import trainer
+
+    # ``time`` in torchtitan/trainer.py: perf_counter, and one sleep(2) at the
+    # end of ``train`` (``tests/unit/test_upstream_guards.py`` checks both).
+    trainer.time = types.SimpleNamespace(
+        perf_counter=time.perf_counter, sleep=lambda seconds: None
+    )
+
+
 def _force_sum_reduction_in_fsdp() -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -253,4 +267,5 @@ def apply() -> None:
     _keep_eager_flex_under_determinism()
     _keep_aot_eager_plain()
     _force_sum_reduction_in_fsdp()
+    _skip_closing_sleep()
     _active = True

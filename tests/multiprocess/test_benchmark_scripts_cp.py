@@ -115,5 +115,6 @@ def test_step_time_vision_runs(tmp_path):
     rows = result["rows"]
     assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
     for row in rows:
-        _check_mode_times(row, ("step_ms",))
+        _check_mode_times(row, ("agreement_ms", "step_ms"))
+        assert 0 < row["replicated_agreement_ms"] < row["replicated_step_ms"]
     assert "| 2 | 4 | 64 |" in stdout

@@ -168,3 +168,33 @@ def test_torchtitan_apply_compile_still_fails_on_the_vision_adapter():
         compile_config=CompileConfig(enable=True),
         parallel_dims=types.SimpleNamespace(tp_enabled=False),
     )
+
+
+def test_trainer_module_uses_time_as_cpu_backend_replaces_it():
+    """``cpu_backend`` gives torchtitan/trainer.py a ``time`` with perf_counter and
+    a no-op sleep: upstream must use nothing else, and sleep once, in ``train``."""
+    import importlib.util
+
+    path = importlib.util.find_spec("torchtitan.trainer").origin
+    tree = ast.parse(open(path).read())
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "time"
+    }
+    assert used == {"perf_counter", "sleep"}, used
+    trainer = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer"
+    )
+    sleeps = [
+        (method.name, ast.unparse(node))
+        for method in trainer.body
+        if isinstance(method, ast.FunctionDef)
+        for node in ast.walk(method)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "time.sleep"
+    ]
+    assert sleeps == [("train", "time.sleep(2)")], sleeps

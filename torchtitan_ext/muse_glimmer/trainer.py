@@ -18,6 +18,7 @@ from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from .batch_agreement import BatchAgreement
 from .config_checks import check_job_config
 from .sharding import BATCH_TOKEN_TYPE
 from .vision_bank import (
@@ -107,15 +108,20 @@ def _checked_batches(
     batches: Iterable[_Batch],
     geometry: VisionGeometry | None,
     share_of: Callable[[torch.Tensor], CpVisionShare] | None = None,
+    agree: Callable[[dict[str, Any], torch.Tensor], None] | None = None,
 ) -> Iterator[_Batch]:
-    """``batches``, each rejected if its placeholders and images disagree.
+    """``batches``, each rejected if its group's ranks or its images disagree.
 
-    Run on the CPU batch, before it moves to the device: the check reads its
-    counts on the host, and every rank of a CP group raises the same error
-    before any collective. With ``share_of`` (sharded vision) a batch with
-    images also gets this CP rank's share of them, from the same host counts.
+    Run on the CPU batch, before it moves to the device: ``agree`` (a
+    ``BatchAgreement`` check) proves every rank of the group holds this batch,
+    then the placeholder check reads its counts on the host, so every rank of
+    a CP group raises the same error before any collective. With ``share_of``
+    (sharded vision) a batch with images also gets this CP rank's share of
+    them, from the same host counts.
     """
     for input_dict, labels in batches:
+        if agree is not None:
+            agree(input_dict, labels)
         if geometry is not None and "special_tokens" in input_dict:
             grid_thw_N3 = input_dict.get("grid_thw")
             check_vision_placeholders(
@@ -155,14 +161,16 @@ class _CheckedLoaderConfig:
         config: BaseDataLoader.Config,
         geometry: VisionGeometry | None,
         share_of: Callable[[torch.Tensor], CpVisionShare] | None,
+        agree: Callable[[dict[str, Any], torch.Tensor], None],
     ) -> None:
         self._config = config
         self._geometry = geometry
         self._share_of = share_of
+        self._agree = agree
 
     def build(self, **kwargs) -> Iterator[_Batch]:
         return _checked_batches(
-            self._config.build(**kwargs), self._geometry, self._share_of
+            self._config.build(**kwargs), self._geometry, self._share_of, self._agree
         )
 
 
@@ -231,6 +239,8 @@ class MuseGlimmerValidator(Validator):
     class Config(Validator.Config):
         pass
 
+    batch_agreement: BatchAgreement | None = None
+
     def validate(self, model_parts: list[nn.Module], step: int) -> None:
         """Upstream's validation, each batch checked as the Trainer checks it.
 
@@ -241,7 +251,17 @@ class MuseGlimmerValidator(Validator):
         dl_config = self.dl_config
         geometry = VisionGeometry.of(getattr(model_parts[0], "config", None))
         share_of = _share_of(self.parallelism, self.parallel_dims, geometry)
-        self.dl_config = _CheckedLoaderConfig(dl_config, geometry, share_of)
+        if self.batch_agreement is None:  # built on first use, on every rank
+            self.batch_agreement = BatchAgreement(self.parallel_dims)
+        agreement = self.batch_agreement
+        self.dl_config = _CheckedLoaderConfig(
+            dl_config,
+            geometry,
+            share_of,
+            lambda inputs, labels: agreement.check(
+                inputs, labels, f"validation at step {step}"
+            ),
+        )
         try:
             super().validate(model_parts, step)
         finally:
@@ -311,6 +331,7 @@ class MuseGlimmerTrainer(Trainer):
         super().__init__(config)
         if isinstance(self.metrics_processor, MuseGlimmerMetricsProcessor):
             self.metrics_processor.dataloader = self.dataloader
+        self.batch_agreement = BatchAgreement(self.parallel_dims)
 
     def init_distributed(self) -> ParallelDims:
         """Check the job before upstream builds its process group and ``ParallelDims``.
@@ -341,11 +362,21 @@ class MuseGlimmerTrainer(Trainer):
             )
 
     def batch_generator(self, data_iterable: Iterable[_Batch]) -> Iterator[_Batch]:
-        """Reject a batch whose placeholders and images disagree, while it is on CPU."""
+        """Reject a batch that differs across its group, or whose placeholders and
+        images disagree, while it is on CPU."""
         geometry = VisionGeometry.of(self.model_config)
         share_of = _share_of(self.config.parallelism, self.parallel_dims, geometry)
         return _checked_batches(
-            super().batch_generator(data_iterable), geometry, share_of
+            super().batch_generator(data_iterable),
+            geometry,
+            share_of,
+            (
+                lambda inputs, labels: self.batch_agreement.check(
+                    inputs, labels, f"training step {self.step}"
+                )
+            )
+            if self.batch_agreement.active
+            else None,
         )
 
     def post_dataloading_process(

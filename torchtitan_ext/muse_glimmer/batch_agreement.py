@@ -1,0 +1,131 @@
+"""The ranks that must hold the same batch prove it, before any collective sized by it.
+
+The CP, TP and PP ranks of one data-parallel index read the same samples and
+must train on the same batch. Nothing in torchtitan checks that they do: a
+rank whose image fetch timed out or whose sample processor skipped one sample
+trains on silently with replicated vision (every shape still matches), and
+hands sharded vision's exchange sizes its peers do not expect. Each rank
+fingerprints its CPU batch (token and image counts, the image grids, a digest
+of the tokens, labels and pixels) and the group all-gathers the fingerprints
+over a gloo process group of its own: host memory only, no device sync. Every
+rank of the group then sees the same fingerprints and raises the same error.
+"""
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed import ParallelDims
+
+__all__ = ["BatchAgreement", "batch_fingerprint"]
+
+FIELDS = ("tokens", "images", "grids", "content")
+
+
+def _digest(tensors: list[torch.Tensor | None]) -> int:
+    """A 63-bit digest of the tensors' bytes (shape and dtype included)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        if tensor is None:
+            digest.update(b"-")
+            continue
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(
+            memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        )
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def batch_fingerprint(input_dict: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+    """``FIELDS`` of a CPU batch, as an int64 tensor."""
+    grid_thw_N3 = input_dict.get("grid_thw")
+    return torch.tensor(
+        [
+            input_dict["input"].numel(),
+            0 if grid_thw_N3 is None else grid_thw_N3.shape[0],
+            _digest([grid_thw_N3]),
+            _digest([input_dict["input"], labels, input_dict.get("pixel_values")]),
+        ],
+        dtype=torch.int64,
+    )
+
+
+def _same_batch_group(
+    world_size: int, pp: int, batch: int, cp: int, tp: int
+) -> tuple[dist.ProcessGroup, list[int]] | None:
+    """This rank's gloo group of the ranks that share its batch, and their ranks.
+
+    torchtitan lays ranks out as its dataloading mesh ``(pp, batch, cp, tp)``
+    unflattened from the world, so the ranks of one batch index are those with
+    that coordinate. Every rank creates every group, as ``new_group`` needs,
+    so every rank builds its ``BatchAgreement`` at the same point.
+    """
+    if pp * cp * tp == 1:
+        return None
+    groups = [
+        [
+            ((p * batch + b) * cp + c) * tp + t
+            for p in range(pp)
+            for c in range(cp)
+            for t in range(tp)
+        ]
+        for b in range(batch)
+    ]
+    assert sum(map(len, groups)) == world_size, (groups, world_size)
+    group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    rank = dist.get_rank()
+    return group, next(ranks for ranks in groups if rank in ranks)
+
+
+def _shown(field: str, value: int) -> str:
+    return f"{value:016x}" if field in ("grids", "content") else str(value)
+
+
+class BatchAgreement:
+    """Checks, step by step, that this rank's group holds one batch."""
+
+    def __init__(self, parallel_dims: ParallelDims) -> None:
+        self._group = _same_batch_group(
+            parallel_dims.world_size,
+            parallel_dims.pp,
+            parallel_dims.dp_replicate * parallel_dims.dp_shard,
+            parallel_dims.cp,
+            parallel_dims.tp,
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether any other rank must hold this rank's batch."""
+        return self._group is not None
+
+    def check(
+        self, input_dict: dict[str, Any], labels: torch.Tensor, step: str
+    ) -> None:
+        """Raise on every rank of the group when its ranks' batches differ."""
+        if self._group is None:
+            return
+        group, ranks = self._group
+        mine = batch_fingerprint(input_dict, labels)
+        gathered = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(gathered, mine, group=group)
+        fingerprints = torch.stack(gathered)
+        if bool((fingerprints == fingerprints[0]).all()):
+            return
+        differing = [
+            f"{field} "
+            + ", ".join(
+                f"rank {rank}: {_shown(field, int(value))}"
+                for rank, value in zip(ranks, column, strict=True)
+            )
+            for field, column in zip(FIELDS, fingerprints.T, strict=True)
+            if bool((column != column[0]).any())
+        ]
+        raise RuntimeError(
+            f"Ranks {ranks}, which must train on the same batch (one data-parallel "
+            f"index: its CP, TP and PP ranks), hold different batches at {step}: "
+            + "; ".join(differing)
+            + ". A rank's data diverged (a sample skipped or fetched differently on "
+            "one rank, a non-deterministic sample processor, a rank restored from "
+            "another checkpoint); stopping every rank of the group."
+        )

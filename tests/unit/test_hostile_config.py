@@ -10,8 +10,10 @@ bad pipeline split exiting fast on both ranks, message in the log, instead of
 failing inside the first step.
 """
 
+import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -335,3 +337,44 @@ def test_trainer_checks_the_job_before_parallel_dims(monkeypatch):
         "tensor_parallel_degree=1 * pipeline_parallel_degree=1 = 4 must divide "
         "the world size 2"
     )
+
+
+# Image normalisation and pixel budget (torchtitan 0.3.0 takes any value).
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("image_std", (0.0, 0.5, 0.5), "image_std = (0.0, 0.5, 0.5): every value"),
+        ("image_std", (1e-45, 0.5, 0.5), "image_std = (1e-45, 0.5, 0.5): every"),
+        (
+            "image_std",
+            (math.nan, 0.5, 0.5),
+            "image_std = (nan, 0.5, 0.5): need 3 finite",
+        ),
+        (
+            "image_mean",
+            (0.5, math.inf, 0.5),
+            "image_mean = (0.5, inf, 0.5): need 3 finite",
+        ),
+        ("image_mean", (0.5, 0.5), "image_mean = (0.5, 0.5): need 3 finite values"),
+        ("min_pixels", 5000, "min_pixels = 5000 and max_pixels = 3136: need 784 <="),
+        ("min_pixels", 100, "min_pixels = 100 and max_pixels = 3136: need 784 <="),
+        ("max_images_per_batch", 0, "max_images_per_batch = 0: need at least 1"),
+    ],
+)
+def test_bad_image_settings_are_named_at_start_up(field, value, named):
+    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    setattr(job.dataloader, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"dataloader.{named}")):
+        check_job_config(job, _world_size(job))
+
+
+def test_the_validators_image_settings_are_checked_too():
+    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job.validator.enable = True
+    job.validator.dataloader = dataclasses.replace(
+        job.dataloader, image_std=(0.5, 0.0, 0.5)
+    )
+    with pytest.raises(ValueError, match=r"validator\.dataloader\.image_std"):
+        check_job_config(job, _world_size(job))

@@ -12,7 +12,6 @@ import torch
 from torchtitan.distributed import ParallelDims
 
 from torchtitan_ext.muse_glimmer import MuseGlimmerTrainer, MuseGlimmerValidator
-from torchtitan_ext.muse_glimmer.batch_agreement import BatchAgreement
 from torchtitan_ext.muse_glimmer.config_registry import muse_glimmer_debugmodel_mm
 from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
@@ -51,7 +50,6 @@ def test_validator_rejects_the_batch_with_the_trainers_message(tmp_path):
     trainer.config = job
     trainer.model_config = job.model_spec.model
     trainer.parallel_dims = ParallelDims.from_config(job.parallelism, world_size=1)
-    trainer.batch_agreement = BatchAgreement(trainer.parallel_dims)
     trainer.metrics_processor = SimpleNamespace(
         ntokens_since_last_log=0, data_loading_times=[]
     )

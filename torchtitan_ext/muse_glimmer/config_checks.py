@@ -22,6 +22,7 @@ from torchtitan.models.muse_glimmer.model import _window_mask_key
 
 __all__ = [
     "check_context_parallel",
+    "check_image_settings",
     "check_job_config",
     "check_parallel_degrees",
     "check_pipeline_split",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 _LAYER_FQN = re.compile(r"layers\.(\d+)")
+# Below it, normalising [0, 1] pixels gives values past 1e6 (inf at 1e-45).
+_MIN_IMAGE_STD = 1e-6
 
 
 def _cp_seq_len_divisor(tp: int, cp: int) -> int:
@@ -211,6 +214,43 @@ def check_pipeline_split(parallelism: ParallelismConfig, num_layers: int) -> Non
             )
 
 
+def check_image_settings(dataloader, section: str) -> None:
+    """Image normalisation and pixel budget of a multimodal loader config.
+
+    torchtitan 0.3.0 takes them as given: a std of 0 or 1e-45 turns every pixel
+    into inf, NaN poisons every image, ``min_pixels > max_pixels`` resizes past
+    the budget, and ``max_images_per_batch = 0`` drops every sample with an
+    image, all without an error.
+    """
+    for name in ("image_mean", "image_std"):
+        values = tuple(getattr(dataloader, name))
+        if len(values) != 3 or not all(math.isfinite(v) for v in values):
+            raise ValueError(
+                f"{section}.{name} = {values}: need 3 finite values, one per RGB "
+                "channel (torchtitan's default is (0.5, 0.5, 0.5))."
+            )
+    low = [v for v in dataloader.image_std if v < _MIN_IMAGE_STD]
+    if low:
+        raise ValueError(
+            f"{section}.image_std = {tuple(dataloader.image_std)}: every value must "
+            f"be at least {_MIN_IMAGE_STD:g} (pixels are divided by it); got {low}."
+        )
+    merged = (dataloader.patch_size * dataloader.spatial_merge_size) ** 2
+    if not merged <= dataloader.min_pixels <= dataloader.max_pixels:
+        raise ValueError(
+            f"{section}.min_pixels = {dataloader.min_pixels} and max_pixels = "
+            f"{dataloader.max_pixels}: need {merged} <= min_pixels <= max_pixels "
+            f"({merged} pixels: one {dataloader.spatial_merge_size}x"
+            f"{dataloader.spatial_merge_size} merge of {dataloader.patch_size}-pixel "
+            "patches, the smallest image the encoder takes)."
+        )
+    if dataloader.max_images_per_batch < 1:
+        raise ValueError(
+            f"{section}.max_images_per_batch = {dataloader.max_images_per_batch}: "
+            "need at least 1 (the collator would drop every sample with an image)."
+        )
+
+
 def check_job_config(config, world_size: int) -> None:
     """Every start-up check of a muse_glimmer job; needs no mesh or collective."""
     parallelism = config.parallelism
@@ -221,3 +261,9 @@ def check_job_config(config, world_size: int) -> None:
     check_context_parallel(model_config, config)
     check_tensor_parallel_heads(model_config, parallelism.tensor_parallel_degree)
     check_pipeline_split(parallelism, len(model_config.layers))
+    loaders = {"dataloader": config.dataloader}
+    if getattr(config, "validator", None) is not None and config.validator.enable:
+        loaders["validator.dataloader"] = config.validator.dataloader
+    for section, dataloader in loaders.items():
+        if hasattr(dataloader, "image_std"):
+            check_image_settings(dataloader, section)

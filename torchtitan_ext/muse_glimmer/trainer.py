@@ -327,6 +327,10 @@ class MuseGlimmerTrainer(Trainer):
             default_factory=MuseGlimmerMetricsProcessor.Config
         )
 
+    batch_agreement: BatchAgreement | None = None
+    """Built with the Trainer; None leaves batches unchecked (the planner's
+    simulated rank, which has no peers to agree with)."""
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         if isinstance(self.metrics_processor, MuseGlimmerMetricsProcessor):
@@ -375,7 +379,7 @@ class MuseGlimmerTrainer(Trainer):
                     inputs, labels, f"training step {self.step}"
                 )
             )
-            if self.batch_agreement.active
+            if self.batch_agreement is not None and self.batch_agreement.active
             else None,
         )
 

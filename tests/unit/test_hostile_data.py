@@ -374,3 +374,60 @@ def test_placeholders_cut_by_the_collator_train_like_the_whole_sample(
     masks = upstream.get_attention_masks(positions=cut_inputs["positions"])
     with pytest.raises(ValueError, match="vision_mask selects 2 positions"):
         upstream(cut_inputs["input"], **up_kwargs, attention_masks=masks)
+
+
+def test_a_non_finite_pixel_is_a_named_skip(tmp_path, tokenizer, caplog, monkeypatch):
+    """One NaN pixel in sample 1's image: upstream hands it to the encoder."""
+    from torchtitan.hf_datasets.multimodal import mm_datasets
+
+    process_image = mm_datasets.process_image
+    calls = []
+
+    def nan_in_the_second_image(*args, **kwargs):
+        pixels = process_image(*args, **kwargs)
+        calls.append(None)
+        if len(calls) == 2:
+            pixels[0, 3, 5, 1] = float("nan")  # (t, h, w, channel)
+        return pixels
+
+    monkeypatch.setattr(mm_datasets, "process_image", nan_in_the_second_image)
+    texts = [[None, sample_spec(i).caption] for i in range(3)]
+    data = _parquet(tmp_path / "p", texts, [[_jpeg(i), None] for i in range(3)])
+    upstream = list(_loader(data, "obelics", tokenizer, robust=False))
+    assert [b["pixel_values"].isnan().any().item() for b, _ in upstream] == [
+        False,
+        True,
+        False,
+    ]
+    calls.clear()
+    caplog.set_level("WARNING")
+    assert len(list(_loader(data, "obelics", tokenizer, robust=True))) == 2
+    assert _skips(caplog) == [
+        (
+            "#1 of dp rank 0's share",
+            "pixel_values[0] has 1 non-finite values (NaN or inf)",
+            1,
+        )
+    ]
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>"])
+def test_a_caption_with_a_special_token_string_is_a_named_skip(
+    tmp_path, tokenizer, caplog, token
+):
+    """Upstream tokenizes it into a forged placeholder or span marker."""
+    caption = sample_spec(1).caption
+    texts = [[None, sample_spec(0).caption], [None, f"{caption} {token} x"]]
+    data = _parquet(tmp_path / "p", texts, [[_jpeg(i), None] for i in range(2)])
+    special_id = tokenizer.encode(token)[0]
+    upstream = list(_loader(data, "obelics", tokenizer, robust=False))
+    assert len(upstream) == 2 and (upstream[1][0]["input"] == special_id).any()
+    caplog.set_level("WARNING")
+    assert len(list(_loader(data, "obelics", tokenizer, robust=True))) == 1
+    assert _skips(caplog) == [
+        (
+            "#1 of dp rank 0's share",
+            f"its text 'texts' contains the special token string(s) ['{token}']",
+            1,
+        )
+    ]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from datasets import IterableDataset
 from torchtitan.hf_datasets.multimodal.mm_collator import MultiModalCollator
 from torchtitan.hf_datasets.multimodal.mm_datasets import (
@@ -63,6 +64,48 @@ def _undecoded(value: Any) -> Any:
     return value
 
 
+def _special_token_text(sample: dict[str, Any], tokenizer) -> str | None:
+    """Why a sample's text holds a special token string, if it does.
+
+    The tokenizer turns a caption's ``<|image_pad|>`` into a placeholder with no
+    image behind it (the batch check then ends the run, at the same step after
+    every restart); other special strings forge the vision span markers or end
+    the document early.
+    """
+    names = [f"{name}_token" for name in tokenizer.TOKEN_FIELDS]
+    specials = sorted(
+        {
+            token
+            for name in (*names, "bos_token", "eos_token")
+            if (token := getattr(tokenizer, name, None))
+        }
+    )
+    for key, value in sample.items():
+        if key.startswith("__"):  # webdataset's key and url
+            continue
+        for text in value if isinstance(value, list) else [value]:
+            found = [
+                token for token in specials if isinstance(text, str) and token in text
+            ]
+            if found:
+                return f"its text {key!r} contains the special token string(s) {found}"
+    return None
+
+
+def _non_finite_pixels(processed: dict[str, Any]) -> str | None:
+    """Why a processed sample's pixels are not all finite, if they are not.
+
+    One NaN pixel makes the image's features and the encoder's gradient NaN;
+    torchtitan notices at a logging step, after the update, without the sample.
+    """
+    for key in ("pixel_values", "pixel_values_videos"):
+        for index, pixels in enumerate(processed.get(key) or []):
+            bad = int((~torch.isfinite(pixels)).sum())
+            if bad:
+                return f"{key}[{index}] has {bad} non-finite values (NaN or inf)"
+    return None
+
+
 class SampleSkipper:
     """Wraps a dataset's ``sample_processor``: a bad sample is skipped by name.
 
@@ -93,6 +136,10 @@ class SampleSkipper:
         if position == 0:
             self._start_pass()
         sample = {key: _undecoded(value) for key, value in sample.items()}
+        reason = _special_token_text(sample, kwargs["tokenizer"])
+        if reason:
+            self._skip(sample, position, reason)
+            return None
         held = _HeldWarnings()
         logger.addFilter(held)
         try:
@@ -112,6 +159,10 @@ class SampleSkipper:
             reason = f"{num_tokens} tokens exceed training.seq_len {seq_len}"
             if cut:
                 reason += f", {cut} image placeholder tokens among them"
+            self._skip(sample, position, reason)
+            return None
+        reason = _non_finite_pixels(processed)
+        if reason:
             self._skip(sample, position, reason)
             return None
         for record in held.records:  # a kept sample's warnings, unchanged

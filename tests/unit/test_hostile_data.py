@@ -80,7 +80,14 @@ def tokenizer(hostile):
 
 
 def _loader(
-    dataset_dir, dataset, tokenizer, *, robust, seq_len=HOSTILE_SEQ_LEN, **overrides
+    dataset_dir,
+    dataset,
+    tokenizer,
+    *,
+    robust,
+    seq_len=HOSTILE_SEQ_LEN,
+    local_batch_size=1,
+    **overrides,
 ):
     """muse_glimmer's own loader config: upstream's loader, or the plug-in's."""
     spec = upstream_model_registry("debugmodel_mm", attn_backend="flex")
@@ -97,7 +104,7 @@ def _loader(
         dp_rank=0,
         tokenizer=tokenizer,
         seq_len=seq_len,
-        local_batch_size=1,
+        local_batch_size=local_batch_size,
     )
 
 
@@ -431,3 +438,33 @@ def test_a_caption_with_a_special_token_string_is_a_named_skip(
             1,
         )
     ]
+
+
+def test_rows_over_the_image_cap_are_named_counted_skips(tmp_path, tokenizer, caplog):
+    """Upstream's collator drops them with a warning that names and counts none."""
+    texts = [[None, sample_spec(i).caption] for i in range(4)]
+    data = _parquet(tmp_path / "p", texts, [[_jpeg(i), None] for i in range(4)])
+    options = {"local_batch_size": 2, "max_images_per_batch": 1}
+    caplog.set_level("WARNING")
+    upstream = list(_loader(data, "obelics", tokenizer, robust=False, **options))
+    assert sum("Removed sample" in r.getMessage() for r in caplog.records) == 2
+    caplog.clear()
+    loader = _loader(data, "obelics", tokenizer, robust=True, **options)
+    batches = list(loader)
+    assert len(batches) == len(upstream) == 2
+    for (got, _), (want, _) in zip(batches, upstream, strict=True):
+        assert torch.equal(got["input"], want["input"])
+        assert torch.equal(got["pixel_values"], want["pixel_values"])
+    reason = (
+        "the batch's 2 images exceed dataloader.max_images_per_batch 1; the row holds 1"
+    )
+    skips = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping")
+    ]
+    assert skips == [
+        f"Skipping row 1 of a batch: {reason}. "
+        f"Samples skipped so far on dp rank 0: {count}"
+        for count in (1, 2)
+    ]
+    assert loader.skipped_samples == 2
+    assert not any("Removed sample" in r.getMessage() for r in caplog.records)

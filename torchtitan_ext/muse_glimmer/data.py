@@ -180,6 +180,14 @@ class SampleSkipper:
         self._pass_is_full = True
         self._kept_this_pass = self._skipped_this_pass = 0
 
+    def skip_row(self, row: int, reason: str) -> None:
+        """A collated row dropped whole (it may pack several samples)."""
+        self.skipped += 1
+        logger.warning(
+            f"Skipping row {row} of a batch: {reason}. "
+            f"Samples skipped so far on dp rank {self._dp_rank}: {self.skipped}"
+        )
+
     def _skip(self, sample: dict[str, Any], position: int, reason: str) -> None:
         self.skipped += 1
         self._skipped_this_pass += 1
@@ -235,11 +243,39 @@ class _CountingCollator:
         self._reported = 0
 
     def __call__(self, samples: list[dict[str, Any]]):
+        samples = self._within_image_cap(samples)
         input_dict, labels = self._collate(samples)
         skipped = self._skipper.skipped
         input_dict[_SKIPPED_KEY] = skipped - self._reported
         self._reported = skipped
         return input_dict, labels
+
+    def _within_image_cap(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Upstream's cap on a batch's images, each removal a named, counted skip.
+
+        The same rule as ``MultiModalCollator.__call__`` (drop rows from the end
+        while the batch holds more than ``max_images_per_batch``), which then
+        removes nothing; upstream's own warning names no row and counts nowhere.
+        """
+        collate = self._collate
+        images = [
+            len(row.get("pixel_values", []))
+            + sum(
+                video.shape[0] // collate.temporal_patch_size
+                for video in row.get("pixel_values_videos", [])
+            )
+            for row in samples
+        ]
+        kept = len(samples)
+        while sum(images[:kept]) > collate.max_images_per_batch and kept:
+            kept -= 1
+            self._skipper.skip_row(
+                kept,
+                f"the batch's {sum(images[: kept + 1])} images exceed "
+                f"dataloader.max_images_per_batch {collate.max_images_per_batch}; "
+                f"the row holds {images[kept]}",
+            )
+        return samples[:kept]
 
 
 class RobustMMDataLoader(MMDataLoader):

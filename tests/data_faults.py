@@ -1,28 +1,46 @@
-"""The training entry point with one rank's data diverging: the job must stop.
+"""The training entry point with a data fault planted: the job must stop, by name.
 
-``TRAIN_FILE=tests.data_faults TORCHTITAN_EXT_DATA_FAULT_RANK=<rank> ./run_train.sh``
-makes that rank's sample processor drop one raw sample silently (as a
-catch-all skipper or a timed-out image fetch would), the first it reads after
-its loader has yielded the first batch, then trains as ``torchtitan_ext.train``
-does. The other ranks of its group read that sample.
+``TRAIN_FILE=tests.data_faults TORCHTITAN_EXT_DATA_FAULT=<fault> ./run_train.sh``
+plants one of ``FAULTS`` in every rank's process (no file is edited), then
+trains as ``torchtitan_ext.train`` does:
+
+- ``drop_sample``: the rank named by ``TORCHTITAN_EXT_DATA_FAULT_RANK`` drops
+  one raw sample silently (as a catch-all skipper or a timed-out image fetch
+  would), the first it reads after its loader has yielded the first batch; the
+  other ranks of its group read that sample.
+- ``short_grid``: on every rank, the second batch's first image gets a grid one
+  patch row short of its pixels (a collator or processor bug).
 """
 
 import os
 
 from torchtitan_ext import cpu_backend
 
+FAULT_ENV = "TORCHTITAN_EXT_DATA_FAULT"
 RANK_ENV = "TORCHTITAN_EXT_DATA_FAULT_RANK"
+
+
+def _batches_counted(data, state: dict) -> None:
+    collate = data._CountingCollator.__call__
+
+    def counted(self, samples):
+        state["batches"] += 1
+        input_dict, labels = collate(self, samples)
+        if state.get("short_grid") and state["batches"] == 2:
+            input_dict["grid_thw"][0, 1] -= 1
+        return input_dict, labels
+
+    data._CountingCollator.__call__ = counted
 
 
 def _drop_one_sample_after_the_first_batch() -> None:
     from torchtitan_ext.muse_glimmer import data
 
-    collate, process = data._CountingCollator.__call__, data.SampleSkipper.__call__
     state = {"batches": 0, "dropped": False}
-
-    def counted(self, samples):
-        state["batches"] += 1
-        return collate(self, samples)
+    _batches_counted(data, state)
+    if os.environ["RANK"] != os.environ[RANK_ENV]:
+        return
+    process = data.SampleSkipper.__call__
 
     def dropping(self, **kwargs):
         processed = process(self, **kwargs)
@@ -31,14 +49,24 @@ def _drop_one_sample_after_the_first_batch() -> None:
             return None
         return processed
 
-    data._CountingCollator.__call__ = counted
     data.SampleSkipper.__call__ = dropping
+
+
+def _short_grid_at_the_second_batch() -> None:
+    from torchtitan_ext.muse_glimmer import data
+
+    _batches_counted(data, {"batches": 0, "short_grid": True})
+
+
+FAULTS = {
+    "drop_sample": _drop_one_sample_after_the_first_batch,
+    "short_grid": _short_grid_at_the_second_batch,
+}
 
 
 def main() -> None:
     cpu_backend.apply()
-    if os.environ["RANK"] == os.environ[RANK_ENV]:
-        _drop_one_sample_after_the_first_batch()
+    FAULTS[os.environ[FAULT_ENV]]()
     from torchtitan_ext import train
 
     train.main()

@@ -13,7 +13,7 @@ from torchtitan_ext.muse_glimmer.batch_agreement import (
 )
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
-from ..data_faults import RANK_ENV
+from ..data_faults import FAULT_ENV, RANK_ENV
 from ..distributed import run_on_ranks
 from ..training_runs import REPO
 
@@ -135,6 +135,7 @@ def test_a_rank_that_drops_a_sample_stops_the_job_on_every_rank(tmp_path, job):
             "CONFIG_FILE": str(REPO / "train_configs" / toml),
             "TRAIN_FILE": "tests.data_faults",
             "PYTHONPATH": str(REPO),
+            FAULT_ENV: "drop_sample",
             RANK_ENV: "1",
         },
         [

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torchtitan.distributed import ParallelDims
+from torchtitan.hf_datasets.multimodal.mm_datasets import MMDataLoader
 
 from torchtitan_ext.muse_glimmer import MuseGlimmerTrainer, MuseGlimmerValidator
 from torchtitan_ext.muse_glimmer.config_registry import muse_glimmer_debugmodel_mm
@@ -35,11 +36,20 @@ def test_validator_rejects_the_batch_with_the_trainers_message(tmp_path):
 
     In process, on one rank: the Trainer's ``batch_generator`` on a Trainer
     holding only what it reads, the Validator built as the Trainer builds it.
-    Three samples a batch put the stray placeholder in the first one.
+    Three samples a batch put the stray placeholder in the first one; the
+    loader is torchtitan's (as a user's own loader might be), since the plug-in's
+    skips such a sample before it reaches a batch.
     """
     job = muse_glimmer_debugmodel_mm()
+    # torchtitan's own loader: the plug-in's skips such a sample by name.
+    loader = MMDataLoader.Config(
+        **{
+            field.name: getattr(job.dataloader, field.name)
+            for field in dataclasses.fields(MMDataLoader.Config)
+        }
+    )
     loader = dataclasses.replace(
-        job.dataloader,
+        loader,
         dataset_path=str(dataset_with_stray_placeholder(tmp_path / "data")),
         packing_buffer_size=0,
     )

@@ -1,5 +1,6 @@
 """Bank indices and the gather injection, against hand-made batches and upstream."""
 
+import re
 import warnings
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from torchtitan_ext.muse_glimmer import (
     build_vision_bank_indices,
+    check_pixels_match_grids,
     check_vision_placeholders,
     gather_vision_rows,
 )
@@ -332,3 +334,44 @@ def test_deterministic_mode_neither_warns_nor_raises():
     finally:
         torch.use_deterministic_algorithms(previous)
     assert all(map(torch.equal, got, expected))
+
+
+def _collated(grids: list[list[int]], padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pixel_values as the collator pads them: each image's patches, then zeros."""
+    generator = torch.Generator().manual_seed(0)
+    pixels_NPD = torch.zeros(len(grids), padded, 6)
+    for image, grid in enumerate(grids):
+        patches = grid[0] * grid[1] * grid[2]
+        pixels_NPD[image, :patches] = torch.rand(patches, 6, generator=generator) + 0.1
+    return pixels_NPD, torch.tensor(grids)
+
+
+def test_pixels_that_match_their_grids_pass():
+    check_pixels_match_grids(*_collated([[1, 2, 4], [1, 4, 4], [1, 2, 2]], 16))
+
+
+@pytest.mark.parametrize(
+    ("grids", "named"),
+    [
+        # A grid short of its image: the encoder would read a cut image.
+        (
+            [[1, 2, 4], [1, 2, 4], [1, 2, 2]],
+            "image 1's grid [1, 2, 4] claims 8 patches, but it has pixels past them",
+        ),
+        # One grid row fewer than images: every later image's features shift.
+        (
+            [[1, 2, 4], [1, 4, 4]],
+            "pixel_values has 3 image(s) of 16 padded patches, grid_thw 2 row(s)",
+        ),
+        # A grid past the padding: a raw error deep in the encoder otherwise.
+        (
+            [[1, 2, 4], [1, 4, 6], [1, 2, 2]],
+            "image 1's grid [1, 4, 6] claims 24 patches",
+        ),
+    ],
+    ids=["grid_short_of_image", "grid_row_missing", "grid_past_padding"],
+)
+def test_pixels_that_disagree_with_their_grids_are_named(grids, named):
+    pixels_NPD, _ = _collated([[1, 2, 4], [1, 4, 4], [1, 2, 2]], 16)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_pixels_match_grids(pixels_NPD, torch.tensor(grids))

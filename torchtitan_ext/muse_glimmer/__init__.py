@@ -31,6 +31,7 @@ from .trainer import (
 from .vision_bank import (
     CpVisionShare,
     build_vision_bank_indices,
+    check_pixels_match_grids,
     check_vision_placeholders,
     cp_vision_share,
     image_encoding_cost,
@@ -51,6 +52,7 @@ __all__ = [
     "VisionGeometry",
     "blank_image",
     "build_vision_bank_indices",
+    "check_pixels_match_grids",
     "check_vision_placeholders",
     "cp_vision_share",
     "exchange_vision_rows",

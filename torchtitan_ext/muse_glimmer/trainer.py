@@ -24,6 +24,7 @@ from .sharding import BATCH_TOKEN_TYPE
 from .vision_bank import (
     CpVisionShare,
     build_vision_bank_indices,
+    check_pixels_match_grids,
     check_vision_placeholders,
     cp_vision_share,
 )
@@ -124,6 +125,12 @@ def _checked_batches(
             agree(input_dict, labels)
         if geometry is not None and "special_tokens" in input_dict:
             grid_thw_N3 = input_dict.get("grid_thw")
+            for pixels, grids in (
+                ("pixel_values", "grid_thw"),
+                ("pixel_values_videos", "grid_thw_videos"),
+            ):
+                if input_dict.get(pixels) is not None:
+                    check_pixels_match_grids(input_dict[pixels], input_dict[grids])
             check_vision_placeholders(
                 input_dict["input"],
                 grid_thw_N3,

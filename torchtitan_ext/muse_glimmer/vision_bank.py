@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "CpVisionShare",
     "build_vision_bank_indices",
+    "check_pixels_match_grids",
     "check_vision_placeholders",
     "cp_vision_share",
     "image_encoding_cost",
@@ -104,6 +105,38 @@ def check_vision_placeholders(
             f"Multimodal batch mismatch: {summary}; image {image} has "
             f"{int(run_length_R[image])} placeholders for {int(rows_N[image])} rows."
         )
+
+
+def check_pixels_match_grids(
+    pixel_values_NPD: torch.Tensor, grid_thw_N3: torch.Tensor
+) -> None:
+    """Raise unless each image's padded patches are what its grid claims.
+
+    The collator writes image ``n``'s ``t * h * w`` patches first and pads with
+    zeros. The encoder reads the patches the grid names, so a grid row short of
+    its image encodes a cut image silently, and a missing row shifts every later
+    image's features; a grid past the padding fails deep in the encoder without
+    a name. Meant for the CPU batch, as ``check_vision_placeholders``.
+    """
+    patches_N = grid_thw_N3.prod(dim=-1)
+    summary = (
+        f"pixel_values has {pixel_values_NPD.shape[0]} image(s) of "
+        f"{pixel_values_NPD.shape[1]} padded patches, grid_thw {grid_thw_N3.shape[0]}"
+    )
+    if pixel_values_NPD.shape[0] != grid_thw_N3.shape[0]:
+        raise ValueError(f"Multimodal batch mismatch: {summary} row(s).")
+    for image, patches in enumerate(patches_N.tolist()):
+        grid = grid_thw_N3[image].tolist()
+        if patches > pixel_values_NPD.shape[1]:
+            raise ValueError(
+                f"Multimodal batch mismatch: {summary} rows; image {image}'s grid "
+                f"{grid} claims {patches} patches."
+            )
+        if bool(pixel_values_NPD[image, patches:].any()):
+            raise ValueError(
+                f"Multimodal batch mismatch: {summary} rows; image {image}'s grid "
+                f"{grid} claims {patches} patches, but it has pixels past them."
+            )
 
 
 def image_encoding_cost(patches: int, vision_dim: int) -> int:

@@ -94,11 +94,6 @@ class BatchAgreement:
             parallel_dims.tp,
         )
 
-    @property
-    def active(self) -> bool:
-        """Whether any other rank must hold this rank's batch."""
-        return self._group is not None
-
     def check(
         self, input_dict: dict[str, Any], labels: torch.Tensor, step: str
     ) -> None:

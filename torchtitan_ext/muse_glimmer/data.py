@@ -226,6 +226,8 @@ class _ResumedOnce:
 
 
 _SKIPPED_KEY = "_skipped_since_last_batch"
+# MultiModalCollator.__call__'s warning for each row over the image cap.
+_CAP_WARNING = "Removed sample with "
 
 
 class _CountingCollator:
@@ -243,39 +245,30 @@ class _CountingCollator:
         self._reported = 0
 
     def __call__(self, samples: list[dict[str, Any]]):
-        samples = self._within_image_cap(samples)
-        input_dict, labels = self._collate(samples)
+        """Upstream's collation; each row its image cap drops a named, counted skip.
+
+        Upstream drops rows from the end while the batch holds more than
+        ``max_images_per_batch`` images, with a warning that names no row and
+        counts nowhere: held back here and reported as the other skips are.
+        """
+        rows = len(samples)
+        held = _HeldWarnings()
+        logger.addFilter(held)
+        try:
+            input_dict, labels = self._collate(samples)
+        finally:
+            logger.removeFilter(held)
+        for record in held.records:
+            message = record.getMessage()
+            if message.startswith(_CAP_WARNING):
+                rows -= 1
+                self._skipper.skip_row(rows, message)
+            else:
+                logger.handle(record)
         skipped = self._skipper.skipped
         input_dict[_SKIPPED_KEY] = skipped - self._reported
         self._reported = skipped
         return input_dict, labels
-
-    def _within_image_cap(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Upstream's cap on a batch's images, each removal a named, counted skip.
-
-        The same rule as ``MultiModalCollator.__call__`` (drop rows from the end
-        while the batch holds more than ``max_images_per_batch``), which then
-        removes nothing; upstream's own warning names no row and counts nowhere.
-        """
-        collate = self._collate
-        images = [
-            len(row.get("pixel_values", []))
-            + sum(
-                video.shape[0] // collate.temporal_patch_size
-                for video in row.get("pixel_values_videos", [])
-            )
-            for row in samples
-        ]
-        kept = len(samples)
-        while sum(images[:kept]) > collate.max_images_per_batch and kept:
-            kept -= 1
-            self._skipper.skip_row(
-                kept,
-                f"the batch's {sum(images[: kept + 1])} images exceed "
-                f"dataloader.max_images_per_batch {collate.max_images_per_batch}; "
-                f"the row holds {images[kept]}",
-            )
-        return samples[:kept]
 
 
 class RobustMMDataLoader(MMDataLoader):

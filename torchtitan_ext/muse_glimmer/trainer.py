@@ -386,7 +386,7 @@ class MuseGlimmerTrainer(Trainer):
                     inputs, labels, f"training step {self.step}"
                 )
             )
-            if self.batch_agreement is not None and self.batch_agreement.active
+            if self.batch_agreement is not None
             else None,
         )
 

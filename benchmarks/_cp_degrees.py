@@ -175,6 +175,9 @@ def build_trainer(args: argparse.Namespace, dump: str):
 
     from torchtitan.config import ConfigManager
 
+    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+
+    ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
     config = ConfigManager().parse_args(_job_args(args, world, dump))
     _fit_model(config.model_spec.model, args.seq_len, args.layers)
     return config.build()

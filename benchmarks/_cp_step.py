@@ -121,8 +121,10 @@ def build_trainer(config_file: str, overrides: Sequence[str]):
     from torchtitan.tools.logging import init_logger
 
     from torchtitan_ext.config_file import merge_args
+    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
     init_logger()
+    ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
     args = merge_args(["--job.config_file", config_file, *overrides])
     config = ConfigManager().parse_args(args)
     trainer = config.build()

@@ -14,9 +14,10 @@ from torchtitan_ext.tools.embedded_data import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def embedded_assets() -> EmbeddedAssets:
-    """The generated data set and tokenizer the plug-in's jobs train on."""
+    """The generated data set and tokenizer the plug-in's jobs train on: made
+    first, as the launcher makes them, for the tests that build jobs in process."""
     return ensure_embedded_assets()
 
 

@@ -1,11 +1,13 @@
 """The batch agreement check on real gloo ranks: who is grouped, who raises, and why."""
 
 import re
+import time
 from datetime import datetime
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torchtitan.config import CommConfig
 
 from torchtitan_ext.muse_glimmer.batch_agreement import (
     BatchAgreement,
@@ -13,8 +15,8 @@ from torchtitan_ext.muse_glimmer.batch_agreement import (
 )
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
-from ..data_faults import FAULT_ENV, RANK_ENV
 from ..distributed import run_on_ranks
+from ..faults import FAULT_ENV, RANK_ENV
 from ..training_runs import REPO
 
 TIMEOUT_S = 180  # a hang would run to it; the jobs end within a minute
@@ -44,6 +46,9 @@ def _dims(pp: int, batch: int, cp: int, tp: int) -> SimpleNamespace:
     )
 
 
+COMM = CommConfig(init_timeout_seconds=60, train_timeout_seconds=2)
+
+
 def _check(agreement: BatchAgreement, inputs: dict, labels: torch.Tensor) -> str | None:
     try:
         agreement.check(inputs, labels, "training step 2")
@@ -62,15 +67,27 @@ def _on_rank() -> tuple[str | None, str | None]:
         inputs["input"] = inputs["input"] + 1  # another data-parallel index's batch
     if rank == 3:
         inputs["pixel_values"][2, 0, 0] += 1e-3
-    by_dp = _check(BatchAgreement(_dims(1, 2, 2, 1)), inputs, labels)
+    by_dp = _check(BatchAgreement(_dims(1, 2, 2, 1), COMM), inputs, labels)
     # PP2 x TP2: one group of 4; rank 1 dropped a row and its image.
     inputs, labels = _batch()
     if rank == 1:
         inputs, labels = _batch(1)
         inputs["grid_thw"] = inputs["grid_thw"][:2]
         inputs["pixel_values"] = inputs["pixel_values"][:2]
-    by_pp_tp = _check(BatchAgreement(_dims(2, 1, 1, 2)), inputs, labels)
-    return by_dp, by_pp_tp
+    by_pp_tp = _check(BatchAgreement(_dims(2, 1, 1, 2), COMM), inputs, labels)
+    # CP4: after a first check, rank 3 never checks again (its node froze).
+    agreement = BatchAgreement(_dims(1, 1, 4, 1), COMM)
+    inputs, labels = _batch()
+    agreement.check(inputs, labels, "training step 1")
+    waited_s = None
+    if rank != 3:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="Timed out"):
+            agreement.check(inputs, labels, "training step 2")
+        waited_s = time.monotonic() - start
+    else:  # alive, its sockets open, but silent
+        time.sleep(3 * COMM.train_timeout_seconds)
+    return by_dp, by_pp_tp, waited_s
 
 
 def test_every_rank_of_the_group_raises_the_same_named_error():
@@ -86,6 +103,10 @@ def test_every_rank_of_the_group_raises_the_same_named_error():
     assert "Ranks [0, 1, 2, 3]" in message
     assert "tokens rank 0: 32, rank 1: 16, rank 2: 32, rank 3: 32" in message
     assert "images rank 0: 3, rank 1: 2, rank 2: 3, rank 3: 3" in message
+    # After its first check the group waits comm.train_timeout_seconds (2 s
+    # here), not gloo's default 30 minutes.
+    waited_s = [r[2] for r in results[:3]]
+    assert all(s < 2 * COMM.train_timeout_seconds for s in waited_s), waited_s
 
 
 def test_fingerprint_sees_one_value_of_any_input():
@@ -106,15 +127,20 @@ def test_fingerprint_sees_one_value_of_any_input():
         assert changed.tolist() == [False, False, grid, not grid], name
 
 
-# job: TOML, ranks, options. Rank 1 drops a sample: a CP rank in the CP2 jobs,
-# the second TP rank of CP rank 0 in TP2 + CP2 + SP. Unpacked rows, one sample
-# each: the first sample read after batch 1 is batch 2's (the packer's buffer
-# would move it to a later step).
+# job: TOML, ranks, options, the failing step. Rank 1 drops a sample: a CP
+# rank in the CP2 jobs, the second TP rank of CP rank 0 in TP2 + CP2 + SP,
+# pipeline stage 1 in PP2. Unpacked rows, one sample each: the first sample
+# read after batch 1 is batch 2's (the packer's buffer would move it to a later
+# step): step 2's, step 1's second microbatch in PP2, or with validation after
+# every step, the first validation batch's.
 UNPACKED = ["--dataloader.packing_buffer_size", "0"]
+VALIDATION = ["--validator.enable", "--validator.freq=1", "--validator.steps=1"]
 DIVERGING_JOBS = {
-    "cp2": ("cp2.toml", 2, []),
-    "cp2_sharded_vision": ("cp2.toml", 2, SHARDED),
-    "tp2_cp2_sp": ("tp2_cp2_sp.toml", 4, []),
+    "cp2": ("cp2.toml", 2, [], "training step 2"),
+    "cp2_sharded_vision": ("cp2.toml", 2, SHARDED, "training step 2"),
+    "tp2_cp2_sp": ("tp2_cp2_sp.toml", 4, [], "training step 2"),
+    "pp2": ("pp2.toml", 2, [], "training step 1"),
+    "cp2_validation": ("cp2.toml", 2, VALIDATION, "step 1's validation"),
 }
 
 
@@ -125,15 +151,15 @@ def _stamp(line: str) -> datetime:
 
 @pytest.mark.parametrize("job", DIVERGING_JOBS)
 def test_a_rank_that_drops_a_sample_stops_the_job_on_every_rank(tmp_path, job):
-    """Trains step 1, then every rank raises the same error naming step 2."""
-    toml, ngpu, options = DIVERGING_JOBS[job]
+    """Every rank raises the same error naming the divergent batch, within 60 s."""
+    toml, ngpu, options, failing_step = DIVERGING_JOBS[job]
     record = launch_run(
         job,
         {
             "NGPU": str(ngpu),
             "LOG_RANK": ",".join(map(str, range(ngpu))),
             "CONFIG_FILE": str(REPO / "train_configs" / toml),
-            "TRAIN_FILE": "tests.data_faults",
+            "TRAIN_FILE": "tests.faults",
             "PYTHONPATH": str(REPO),
             FAULT_ENV: "drop_sample",
             RANK_ENV: "1",
@@ -159,8 +185,10 @@ def test_a_rank_that_drops_a_sample_stops_the_job_on_every_rank(tmp_path, job):
     assert sorted(errors) == list(range(ngpu)), log[-3000:]
     (error,) = set(errors.values())
     ranks = list(range(ngpu))
-    assert f"Ranks {ranks}" in error and "at training step 2:" in error, error
+    assert f"Ranks {ranks}" in error and f"at {failing_step}:" in error, error
     assert "content rank 0: " in error, error
-    step_1 = [line for line in log.splitlines() if "step:  1" in line]
+    logged = [_stamp(line) for line in log.splitlines() if " - root - " in line]
     failed_at = max(_stamp(line) for line in log.splitlines() if "time      : " in line)
-    assert step_1 and (failed_at - _stamp(step_1[-1])).total_seconds() < 60
+    waited_s = (failed_at - max(logged)).total_seconds()
+    print(f"{job}: raised at {failing_step}, ended {waited_s:.0f} s after the last log")
+    assert waited_s < 60

@@ -11,8 +11,8 @@ FIXED_OPTIONS = "--debug.deterministic --debug.seed=42"
 SMALL = "--training.seq_len 256 --training.local_batch_size 2"
 
 
-def _shell(command: str, ngpu: int, cwd: Path) -> str:
-    env = {**os.environ, "NGPU": str(ngpu)}
+def _shell(command: str, ngpu: int, cwd: Path, **env_vars: str) -> str:
+    env = {**os.environ, "NGPU": str(ngpu), **env_vars}
     for name in ("CONFIG_FILE", "MODULE", "CONFIG", "NNODES", "NODE_RANK"):
         env.pop(name, None)
     run = subprocess.run(
@@ -62,15 +62,18 @@ def test_default_train_command_halves_the_loss(tmp_path):
     It writes where the README says: TensorBoard under ``outputs/tb`` and the
     final model checkpoint under ``outputs/checkpoint/step-16``, in the
     directory it runs from. Run again, it resumes there and says that it has
-    nothing left to train, and how to start over.
+    nothing left to train, and how to start over. Its data, in a folder that
+    does not exist yet, is made by the launcher on first use.
     """
-    _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path)
+    assets = {"TORCHTITAN_EXT_ASSETS": str(tmp_path / "assets")}
+    _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path, **assets)
+    assert (tmp_path / "assets" / "manifest.json").is_file()
     out = tmp_path / "outputs"
     scalars = read_tb_scalars(out / "tb")
     losses = [scalars.loss[step] for step in sorted(scalars.loss)]
     assert len(losses) == 16
     assert losses[-1] < losses[0] / 2, losses
     assert (out / "checkpoint" / "step-16" / ".metadata").is_file()
-    again = _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path)
+    again = _shell(str(REPO / "run_train.sh"), ngpu=1, cwd=tmp_path, **assets)
     assert "Resumed at step 16" in again and "nothing left to train" in again
     assert "step:  1 " not in again

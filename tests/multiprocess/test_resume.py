@@ -35,6 +35,7 @@ from torchtitan_ext.tools.parity import (
     read_tb_scalars,
 )
 
+from ..faults import FAULT_ENV, RANK_ENV
 from ..parity_suites import (
     CP_BOUNDS,
     GRAD_NORM_TOL,
@@ -268,25 +269,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_loopback_match_one_node(runs):
-    """``run_train.sh`` with NNODES=2, started twice: CP2 across the two nodes."""
-    reference = _scalars(runs.uninterrupted("cp2"))
-    dump = runs.out / "cp2_two_nodes"
+def _start_two_nodes(
+    runs, dump: Path, args: list[str]
+) -> tuple[list[threading.Thread], dict[int, RunRecord]]:
+    """``run_train.sh`` CP2 with NNODES=2, started once per node on loopback."""
     endpoint = f"localhost:{_free_port()}"
     records: dict[int, RunRecord] = {}
 
     def node(rank: int) -> None:
         env = {"NNODES": "2", "NODE_RANK": str(rank), "RDZV_ENDPOINT": endpoint}
         records[rank] = launch_run(
-            f"cp2_node{rank}",
+            f"{dump.name}_node{rank}",
             {**JOBS["cp2"].job_env(ngpu=1), **env},
-            [
-                str(RUN_TRAIN),
-                f"--dump_folder={dump}",
-                *_TRAIN_ARGS,
-                *_load_args(runs.seed, model_only=True),
-            ],
-            runs.out / f"cp2_node{rank}.log",
+            [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
+            runs.out / f"{dump.name}_node{rank}.log",
             timeout=TIMEOUT_S,
             echo=False,
         )
@@ -294,6 +290,16 @@ def test_two_nodes_on_loopback_match_one_node(runs):
     nodes = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
     for thread in nodes:
         thread.start()
+    return nodes, records
+
+
+def test_two_nodes_on_loopback_match_one_node(runs):
+    """``run_train.sh`` with NNODES=2, started twice: CP2 across the two nodes."""
+    reference = _scalars(runs.uninterrupted("cp2"))
+    dump = runs.out / "cp2_two_nodes"
+    nodes, records = _start_two_nodes(
+        runs, dump, [*_TRAIN_ARGS, *_load_args(runs.seed, model_only=True)]
+    )
     for thread in nodes:
         thread.join()
     assert all(record.ok for record in records.values()), records
@@ -303,41 +309,50 @@ def test_two_nodes_on_loopback_match_one_node(runs):
     _assert_bitwise(_scalars(dump), reference, list(range(1, STEPS + 1)))
 
 
-def _worker_pid(dump: Path, rank: int) -> int | None:
-    """The training process of ``rank`` whose command line names ``dump``."""
+def _pids(dump: Path, env_entry: str) -> list[int]:
+    """The processes of the job dumping to ``dump`` with ``env_entry`` set."""
+    pids = []
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if str(dump).encode() in cmdline and f"RANK={rank}".encode() in environ:
-            return int(proc.name)
-    return None
+        if str(dump).encode() in cmdline and env_entry.encode() in environ:
+            pids.append(int(proc.name))
+    return pids
 
 
-def test_killed_rank_ends_job_and_last_checkpoint_resumes_bitwise(runs):
-    """Rank 1 of a CP2 job is killed after the step-SAVE_STEP checkpoint.
+def test_rank_killed_in_a_save_ends_job_and_the_last_complete_checkpoint_resumes(
+    runs,
+):
+    """Rank 1 of a CP2 job dies in the step-2*SAVE_STEP save, its shard written.
 
-    The job must exit non-zero well before the collectives' timeout, and the
-    same command then resumes from that checkpoint (the job's own restart path)
-    bitwise as the uninterrupted run.
+    The job must exit non-zero well before the collectives' timeout, leaving a
+    step folder without ``.metadata``; the same command, restarted, must resume
+    from the step-SAVE_STEP checkpoint (never the cut one), bitwise as the
+    uninterrupted run, and complete the cut checkpoint.
     """
     reference = _scalars(runs.uninterrupted("cp2"))
     dump = runs.out / "cp2_killed"
-    argv = [
-        str(RUN_TRAIN),
-        f"--dump_folder={dump}",
-        *_TRAIN_ARGS,
-        *_load_args(runs.seed, model_only=True),
-    ]
+    cut = dump / "checkpoint" / f"step-{2 * SAVE_STEP}"
     record: list[RunRecord] = []
     job = threading.Thread(
         target=lambda: record.append(
             launch_run(
                 "cp2_killed",
-                JOBS["cp2"].job_env(),
-                argv,
+                {
+                    **JOBS["cp2"].job_env(),
+                    "TRAIN_FILE": "tests.faults",
+                    FAULT_ENV: "kill_in_save",
+                    RANK_ENV: "1",
+                },
+                [
+                    str(RUN_TRAIN),
+                    f"--dump_folder={dump}",
+                    *_TRAIN_ARGS,
+                    *_load_args(runs.seed, model_only=True),
+                ],
                 runs.out / "cp2_killed.log",
                 timeout=TIMEOUT_S,
                 echo=False,
@@ -345,23 +360,79 @@ def test_killed_rank_ends_job_and_last_checkpoint_resumes_bitwise(runs):
         )
     )
     job.start()
-    saved = dump / "checkpoint" / f"step-{SAVE_STEP}" / ".metadata"
-    while not saved.is_file() and job.is_alive():
+    while not list(cut.glob("__1_*.distcp")) and job.is_alive():
         time.sleep(0.01)
-    pid = _worker_pid(dump, 1)
-    assert pid is not None and job.is_alive(), "the job ended before it was killed"
-    os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     job.join()
     exited_after_s = time.monotonic() - killed_at
-    print(f"killed rank 1 (pid {pid}); the job exited {exited_after_s:.1f} s later")
+    print(f"rank 1 died saving {cut.name}; the job exited {exited_after_s:.1f} s later")
     assert not record[0].timed_out and record[0].returncode != 0, record[0]
+    assert "Signal 9 (SIGKILL) received by PID" in Path(record[0].log_path).read_text()
     assert exited_after_s < TRAIN_TIMEOUT_S / 2
-    assert not (dump / "checkpoint" / f"step-{STEPS}").exists()
+    assert list(cut.glob("*.distcp")) and not (cut / ".metadata").exists()
 
     Path(record[0].log_path).rename(runs.out / "cp2_killed.first.log")
     shutil.rmtree(dump / "tb")
     runs.train(dump.name, "cp2")  # the same command, restarted
     log = (runs.out / "cp2_killed.log").read_text()
-    assert f"Loading the checkpoint from {saved.parent}" in log
+    assert f"Loading the checkpoint from {cut.parent / f'step-{SAVE_STEP}'}" in log
     _assert_bitwise(_scalars(dump), reference, RESUMED_STEPS)
+    assert (cut / ".metadata").is_file()
+
+
+def _stop_a_node(runs, victim: int, how: signal.Signals) -> tuple[RunRecord, float]:
+    """A two-node CP2 job whose node ``victim`` gets ``how`` at step 2.
+
+    SIGSTOP freezes it with its sockets open, as a node that lost power or its
+    network leaves them: no peer hears of it. SIGKILL kills its processes, whose
+    sockets the kernel closes. The other node's record and seconds from the
+    signal to its exit.
+    """
+    dump = runs.out / f"cp2_node{victim}_{how.name}"
+    nodes, records = _start_two_nodes(runs, dump, ["--training.steps=100000"])
+    survivor = 1 - victim
+    survivor_log = runs.out / f"{dump.name}_node{survivor}.log"
+    while nodes[survivor].is_alive() and not re.search(
+        r"step:\s+2\b", survivor_log.read_text() if survivor_log.exists() else ""
+    ):
+        time.sleep(0.1)
+    stopped = _pids(dump, f"NODE_RANK={victim}")
+    for pid in stopped:
+        os.kill(pid, how)
+    stopped_at = time.monotonic()
+    nodes[survivor].join()
+    exited_after_s = time.monotonic() - stopped_at
+    for pid in stopped:
+        if how != signal.SIGKILL:
+            os.kill(pid, signal.SIGKILL)
+    nodes[victim].join()
+    return records[survivor], exited_after_s
+
+
+def test_a_dead_or_frozen_node_ends_the_job_on_the_other_node_within_a_minute(runs):
+    """Three two-node jobs at once: node 1 frozen, node 0 (the store's host)
+    frozen, node 1 killed.
+
+    Without the node watchdog the other node of a frozen one waits in a
+    collective for ``comm.train_timeout_seconds`` (100 s) after step 1, 300 s
+    before; a killed node's closed sockets end it at once either way.
+    """
+    cases = [(1, signal.SIGSTOP), (0, signal.SIGSTOP), (1, signal.SIGKILL)]
+    results: dict[tuple[int, signal.Signals], tuple[RunRecord, float]] = {}
+    jobs = [
+        threading.Thread(
+            target=lambda c=case: results.__setitem__(c, _stop_a_node(runs, *c))
+        )
+        for case in cases
+    ]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    for (victim, how), (record, exited_after_s) in results.items():
+        print(f"node {victim} {how.name}: the other ended in {exited_after_s:.1f} s")
+        assert record.returncode != 0 and not record.timed_out, record
+        if how == signal.SIGSTOP:
+            log = Path(record.log_path).read_text()
+            assert f"Node watchdog on node {1 - victim}: " in log
+        assert exited_after_s < 60

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import subprocess
+import sys
 import tarfile
 import threading
 from collections import Counter
@@ -306,3 +309,29 @@ def test_some_without_image_through_mm_dataloader(tmp_path: Path) -> None:
     assert images == 256
     without_image = [b for b, _ in batches if b["pixel_values"] is None]
     assert without_image and len(without_image) < len(batches)
+
+
+def test_jobs_name_the_data_without_making_it(tmp_path: Path) -> None:
+    """The model package imports nothing from ``tools/``, and calling a job
+    function writes nothing: the launcher or the explicit command makes the data."""
+    code = (
+        "import sys\n"
+        "from torchtitan_ext import cpu_backend\n"
+        "cpu_backend.apply()\n"
+        "from torchtitan_ext.muse_glimmer import config_registry\n"
+        "job = config_registry.muse_glimmer_debugmodel_mm_cp2()\n"
+        "print(job.hf_assets_path, job.dataloader.dataset_path)\n"
+        "print(sorted(m for m in sys.modules if 'torchtitan_ext.tools' in m))\n"
+    )
+    assets = tmp_path / "assets"
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, ASSETS_ENV_VAR: str(assets)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    paths, tools = run.stdout.splitlines()[-2:]
+    assert paths == f"{assets / 'tokenizer'} {assets / 'cc12m'}"
+    assert tools == "[]"
+    assert not assets.exists()

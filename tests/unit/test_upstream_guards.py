@@ -198,3 +198,34 @@ def test_trainer_module_uses_time_as_cpu_backend_replaces_it():
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "time.sleep"
     ]
     assert sleeps == [("train", "time.sleep(2)")], sleeps
+
+
+def test_the_planner_trackers_private_torch_names_hold():
+    """``tools/estimate/tracker.py`` extends torch's memory trackers through names
+    torch keeps private (no public API files allocations by region, or tells
+    DTensor's shape propagation from an allocation): a torch that renames or
+    reshapes one fails here, by name, instead of inside the planner."""
+    import torch
+    from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    assert mem_tracker._TOTAL_KEY == "Total"
+    assert set(mem_tracker._UpdateType.__members__) == {"ADD", "DEL", "REF", "SIZE"}
+    assert list(inspect.signature(mem_tracker.MemTracker._update_snap).parameters) == [
+        "self",
+        "u_type",
+        "winfo",
+        "old_mem_consumed",
+        "old_reftype",
+    ]
+    tracker = mem_tracker.MemTracker()
+    assert hasattr(tracker._ref_class, "ACT")
+    assert isinstance(tracker._mod_tracker.parents, set)
+    assert "PRE_FW" in fsdp2_mem_tracker._FSDPState.__members__
+    assert "_fsdp_state" in inspect.getsource(fsdp2_mem_tracker.FSDPMemTracker)
+    assert list(
+        inspect.signature(
+            ShardingPropagator._propagate_tensor_meta_non_cached
+        ).parameters
+    ) == ["self", "op_schema"]
+    assert torch._C._current_graph_task_id() == -1  # outside the autograd engine

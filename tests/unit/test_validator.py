@@ -17,14 +17,14 @@ from torchtitan_ext.muse_glimmer.config_registry import muse_glimmer_debugmodel_
 from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
 
-def dataset_with_stray_placeholder(out_dir: Path) -> Path:
-    """One shard of the embedded set; sample 2's caption spells an image placeholder."""
+def dataset_with_stray_placeholder(out_dir: Path, key: str = "0002") -> Path:
+    """One shard of the embedded set; sample ``key``'s caption spells a placeholder."""
     source = ensure_embedded_assets().dataset_dir / "embedded-0000.tar"
     out_dir.mkdir()
     with tarfile.open(source) as src, tarfile.open(out_dir / "bad.tar", "w") as dst:
         for member in src.getmembers():
             data = src.extractfile(member).read()
-            if member.name == "0002.txt":
+            if member.name == f"{key}.txt":
                 data = b"one shape on gray : <|image_pad|> red circle top left"
                 member.size = len(data)
             dst.addfile(member, io.BytesIO(data))

@@ -9,13 +9,18 @@ fingerprints its CPU batch (token and image counts, the image grids, a digest
 of the tokens, labels and pixels) and the group all-gathers the fingerprints
 over a gloo process group of its own: host memory only, no device sync. Every
 rank of the group then sees the same fingerprints and raises the same error.
+The group keeps torchtitan's timeouts (``comm``: the init timeout until its
+first check has passed, the train timeout after), which torchtitan sets on its
+own groups only: a new group would wait gloo's 30-minute default.
 """
 
 import hashlib
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan.config import CommConfig
 from torchtitan.distributed import ParallelDims
 
 __all__ = ["BatchAgreement", "batch_fingerprint"]
@@ -52,7 +57,7 @@ def batch_fingerprint(input_dict: dict[str, Any], labels: torch.Tensor) -> torch
 
 
 def _same_batch_group(
-    world_size: int, pp: int, batch: int, cp: int, tp: int
+    world_size: int, pp: int, batch: int, cp: int, tp: int, timeout: timedelta
 ) -> tuple[dist.ProcessGroup, list[int]] | None:
     """This rank's gloo group of the ranks that share its batch, and their ranks.
 
@@ -73,7 +78,9 @@ def _same_batch_group(
         for b in range(batch)
     ]
     assert sum(map(len, groups)) == world_size, (groups, world_size)
-    group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    group, _ = dist.new_subgroups_by_enumeration(
+        groups, timeout=timeout, backend="gloo"
+    )
     rank = dist.get_rank()
     return group, next(ranks for ranks in groups if rank in ranks)
 
@@ -85,14 +92,16 @@ def _shown(field: str, value: int) -> str:
 class BatchAgreement:
     """Checks, step by step, that this rank's group holds one batch."""
 
-    def __init__(self, parallel_dims: ParallelDims) -> None:
+    def __init__(self, parallel_dims: ParallelDims, comm: CommConfig) -> None:
         self._group = _same_batch_group(
             parallel_dims.world_size,
             parallel_dims.pp,
             parallel_dims.dp_replicate * parallel_dims.dp_shard,
             parallel_dims.cp,
             parallel_dims.tp,
+            timedelta(seconds=comm.init_timeout_seconds),
         )
+        self._train_timeout = timedelta(seconds=comm.train_timeout_seconds)
 
     def check(
         self, input_dict: dict[str, Any], labels: torch.Tensor, step: str
@@ -104,6 +113,9 @@ class BatchAgreement:
         mine = batch_fingerprint(input_dict, labels)
         gathered = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(gathered, mine, group=group)
+        if self._train_timeout is not None:  # every rank is past its start-up
+            dist.set_timeout(self._train_timeout, group)
+            self._train_timeout = None
         fingerprints = torch.stack(gathered)
         if bool((fingerprints == fingerprints[0]).all()):
             return

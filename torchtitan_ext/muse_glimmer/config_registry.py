@@ -5,11 +5,13 @@ Each function returns a whole ``MuseGlimmerTrainer.Config``; select one with
 ``--module torchtitan_ext.muse_glimmer --config <function>``.
 """
 
+import dataclasses
+
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.models.muse_glimmer import config_registry as upstream
 from torchtitan.trainer import Trainer
 
-from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+from torchtitan_ext.assets import DATASET_FOLDER, TOKENIZER_FOLDER, default_root
 
 from . import _as, model_registry
 from .data import RobustMMDataLoader
@@ -44,10 +46,10 @@ __all__ = [
 
 
 def _embedded_data_paths() -> tuple[str, str]:
-    """Tokenizer and dataset folders of the generated data, made on first use."""
-    # The jobs' one link to the tooling: nothing can be downloaded where they run.
-    assets = ensure_embedded_assets()
-    return str(assets.tokenizer_dir), str(assets.dataset_dir)
+    """Tokenizer and dataset folders of the generated data (made by the launcher
+    on first use, or by ``python -m torchtitan_ext.tools.embedded_data``)."""
+    root = default_root()
+    return str(root / TOKENIZER_FOLDER), str(root / DATASET_FOLDER)
 
 
 def _as_plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
@@ -62,9 +64,15 @@ def _as_plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Co
 
 
 def _plugin_job(config: Trainer.Config, flavor: str) -> MuseGlimmerTrainer.Config:
-    """An upstream job, run by the plug-in's Trainer and model on embedded data."""
+    """An upstream job, run by the plug-in's Trainer and model on embedded data.
+
+    Its validation reads one pass of the training loader's kind of data (upstream
+    leaves c4's text set, which no multimodal job can read offline); point
+    ``--validator.dataloader.dataset_path`` at a held-out set.
+    """
     job = _as_plugin_job(config, flavor)
     job.hf_assets_path, job.dataloader.dataset_path = _embedded_data_paths()
+    job.validator.dataloader = dataclasses.replace(job.dataloader, infinite=False)
     return job
 
 

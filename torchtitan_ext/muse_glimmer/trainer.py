@@ -18,6 +18,7 @@ from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ..node_watchdog import NodeWatchdog
 from .batch_agreement import BatchAgreement
 from .config_checks import check_job_config
 from .sharding import BATCH_TOKEN_TYPE
@@ -168,7 +169,7 @@ class _CheckedLoaderConfig:
         config: BaseDataLoader.Config,
         geometry: VisionGeometry | None,
         share_of: Callable[[torch.Tensor], CpVisionShare] | None,
-        agree: Callable[[dict[str, Any], torch.Tensor], None],
+        agree: Callable[[dict[str, Any], torch.Tensor], None] | None,
     ) -> None:
         self._config = config
         self._geometry = geometry
@@ -176,9 +177,34 @@ class _CheckedLoaderConfig:
         self._agree = agree
 
     def build(self, **kwargs) -> Iterator[_Batch]:
-        return _checked_batches(
+        batches = _checked_batches(
             self._config.build(**kwargs), self._geometry, self._share_of, self._agree
         )
+        for input_dict, labels in batches:
+            yield (
+                {
+                    key: value if isinstance(value, torch.Tensor) else _HostValue(value)
+                    for key, value in input_dict.items()
+                },
+                labels,
+            )
+
+
+class _HostValue:
+    """A batch's non-tensor value (``special_tokens``, a ``CpVisionShare``, None).
+
+    torchtitan 0.3.0's Validator calls ``.to(device)`` on every batch value (its
+    Trainer moves tensors only), so a multimodal batch fails there; this one's
+    ``.to`` hands the value back unchanged.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def to(self, device: Any) -> Any:
+        return self.value
 
 
 def post_process_with_vision_bank_indices(
@@ -247,6 +273,7 @@ class MuseGlimmerValidator(Validator):
         pass
 
     batch_agreement: BatchAgreement | None = None
+    """The Trainer's (one group serves both: they never check at once)."""
 
     def validate(self, model_parts: list[nn.Module], step: int) -> None:
         """Upstream's validation, each batch checked as the Trainer checks it.
@@ -258,16 +285,18 @@ class MuseGlimmerValidator(Validator):
         dl_config = self.dl_config
         geometry = VisionGeometry.of(getattr(model_parts[0], "config", None))
         share_of = _share_of(self.parallelism, self.parallel_dims, geometry)
-        if self.batch_agreement is None:  # built on first use, on every rank
-            self.batch_agreement = BatchAgreement(self.parallel_dims)
         agreement = self.batch_agreement
         self.dl_config = _CheckedLoaderConfig(
             dl_config,
             geometry,
             share_of,
-            lambda inputs, labels: agreement.check(
-                inputs, labels, f"validation at step {step}"
-            ),
+            (
+                lambda inputs, labels: agreement.check(
+                    inputs, labels, f"step {step}'s validation"
+                )
+            )
+            if agreement is not None
+            else None,
         )
         try:
             super().validate(model_parts, step)
@@ -337,12 +366,16 @@ class MuseGlimmerTrainer(Trainer):
     batch_agreement: BatchAgreement | None = None
     """Built with the Trainer; None leaves batches unchecked (the planner's
     simulated rank, which has no peers to agree with)."""
+    node_watchdog: NodeWatchdog | None = None
+    """Local rank 0's, in a multi-node job."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         if isinstance(self.metrics_processor, MuseGlimmerMetricsProcessor):
             self.metrics_processor.dataloader = self.dataloader
-        self.batch_agreement = BatchAgreement(self.parallel_dims)
+        self.batch_agreement = BatchAgreement(self.parallel_dims, self.config.comm)
+        if isinstance(getattr(self, "validator", None), MuseGlimmerValidator):
+            self.validator.batch_agreement = self.batch_agreement
 
     def init_distributed(self) -> ParallelDims:
         """Check the job before upstream builds its process group and ``ParallelDims``.
@@ -351,9 +384,24 @@ class MuseGlimmerTrainer(Trainer):
         every rank rejects a bad job the same way before any collective, and
         before upstream's shorter checks (``ParallelDims``' bare assert on the
         inferred dp_shard, the Trainer's sequence-length divisor) report less.
+        A multi-node job's node watchdog starts with the process group.
         """
         check_job_config(self.config, int(os.environ.get("WORLD_SIZE", "1")))
-        return super().init_distributed()
+        parallel_dims = super().init_distributed()
+        self.node_watchdog = NodeWatchdog.for_torchrun()
+        if self.node_watchdog is not None:
+            self.node_watchdog.start()
+        return parallel_dims
+
+    def train(self) -> None:
+        super().train()
+        if self.node_watchdog is not None:
+            self.node_watchdog.finished()
+
+    def close(self) -> None:
+        if self.node_watchdog is not None:
+            self.node_watchdog.stop()
+        super().close()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Upstream's, saying so when a resumed job has nothing left to train.

@@ -85,7 +85,9 @@ def load_job(args: list[str]):
     from torchtitan.config import ConfigManager
 
     from torchtitan_ext.config_file import merge_args
+    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
+    ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
     return ConfigManager().parse_args(merge_args(args))
 
 

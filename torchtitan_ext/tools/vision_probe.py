@@ -211,6 +211,9 @@ def build_probe_dataloader(job, *, batch_size: int):
             f"batch_size={batch_size} exceeds the job's max_images_per_batch="
             f"{job.dataloader.max_images_per_batch}: the collator would drop samples"
         )
+    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+
+    ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
     tokenizer = job.tokenizer.build(tokenizer_path=job.hf_assets_path)
     return job.dataloader.build(
         dp_world_size=1,

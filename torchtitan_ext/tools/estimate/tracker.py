@@ -34,6 +34,9 @@ applies ``lm_head`` once per chunk and runs each chunk's backward inside the
 loss's forward; each backward resets ``ModTracker``'s module stack, so both
 trackers take the next chunk's call for a new iteration and raise ("does not
 support memory tracking for multiple iterative calls").
+
+The torch names this needs are private (no public API offers these hooks);
+``tests/unit/test_upstream_guards.py`` fails, by name, when torch changes one.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ def seed_checkpoint(tmp_path_factory, embedded_assets) -> Path:
     dump = run_train(
         tmp_path_factory.mktemp("seed"),
         "seed",
-        1,
         "packed.toml",
         [
             "--debug.deterministic",

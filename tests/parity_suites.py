@@ -97,11 +97,9 @@ def upstream_spec(assets, ngpu: int, options: str) -> RunSpec:
     )
 
 
-def toml_spec(name: str, ngpu: int, options: str = "") -> RunSpec:
-    """A run of ``train_configs/<name>`` on ``ngpu`` ranks."""
-    return RunSpec(
-        config_file=str(REPO / "train_configs" / name), ngpu=ngpu, options=options
-    )
+def toml_spec(name: str, options: str = "") -> RunSpec:
+    """A run of ``train_configs/<name>`` with ``options``, on the ranks they ask for."""
+    return RunSpec(config_file=str(REPO / "train_configs" / name), options=options)
 
 
 def output_dir(tmp_path: Path, suite: str) -> Path:

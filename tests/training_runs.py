@@ -6,6 +6,7 @@ DCP checkpoint (model and optimizer state, any world size) into
 ``{dotted.key: tensor}`` on one process.
 """
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,18 @@ __all__ = ["REPO", "checkpoint_path", "checkpoint_tensors", "run_job", "run_trai
 def run_train(
     out: Path,
     name: str,
-    ngpu: int,
     toml: str,
     args: list[str],
     *,
     timeout_s: float,
     env: dict[str, str] | None = None,
 ) -> Path:
-    """``NGPU=ngpu CONFIG_FILE=train_configs/toml ./run_train.sh ...``; its dump."""
-    job = RunSpec(config_file=str(REPO / "train_configs" / toml), ngpu=ngpu)
-    return run_job(out, name, job, args, timeout_s=timeout_s, env=env)
+    """``CONFIG_FILE=train_configs/toml ./run_train.sh args`` on the ranks the
+    file and ``args`` ask for; its dump folder."""
+    job = RunSpec(
+        config_file=str(REPO / "train_configs" / toml), options=shlex.join(args)
+    )
+    return run_job(out, name, job, [], timeout_s=timeout_s, env=env)
 
 
 def run_job(

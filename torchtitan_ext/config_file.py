@@ -13,6 +13,7 @@ does not defeat ``torchtitan_ext.cpu_backend.apply()``.
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -23,7 +24,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["CONFIG_FILE_FLAG", "ConfigFileError", "merge_args"]
+__all__ = ["CONFIG_FILE_FLAG", "ConfigFileError", "job_ranks", "load_job", "merge_args"]
 
 CONFIG_FILE_FLAG = "--job.config_file"
 _FLAG_SPELLINGS = (CONFIG_FILE_FLAG, "--job.config-file")
@@ -75,6 +76,33 @@ def merge_args(args: list[str]) -> list[str]:
     overrides = _Overrides()
     _walk(path, table, config, "", overrides)
     return head + overrides.flags + _merge_subcommands(overrides.subcommands, cli)
+
+
+def load_job(args: list[str]):
+    """A job's ``Trainer.Config`` from command-line arguments, as training does."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(merge_args(args))
+
+
+def job_ranks(config, *, data_parallel_shard: int | None = None) -> int:
+    """The ranks a job runs on: the product of its parallel degrees.
+
+    An inferred ``data_parallel_shard_degree`` (-1) counts as
+    ``data_parallel_shard``; with none given, as 1 (the smallest world).
+    """
+    parallelism = config.parallelism
+    shard = parallelism.data_parallel_shard_degree
+    if shard < 1:
+        shard = 1 if data_parallel_shard is None else data_parallel_shard
+    return shard * math.prod(
+        (
+            parallelism.data_parallel_replicate_degree,
+            parallelism.context_parallel_degree,
+            parallelism.tensor_parallel_degree,
+            parallelism.pipeline_parallel_degree,
+        )
+    )
 
 
 def _pop_config_file(args: list[str]) -> tuple[str | None, list[str]]:

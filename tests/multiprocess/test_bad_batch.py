@@ -46,14 +46,11 @@ def test_bad_samples_are_skipped_by_name_and_a_restart_passes_them(tmp_path):
         FAULT_ENV: "nan_pixel",
         SAMPLE_ENV: "0006",
     }
-    first = run_train(
-        tmp_path, "bad", 2, "cp2.toml", args, timeout_s=TIMEOUT_S, env=env
-    )
+    first = run_train(tmp_path, "bad", "cp2.toml", args, timeout_s=TIMEOUT_S, env=env)
     saved = first / "checkpoint" / "step-2"
     resumed = run_train(
         tmp_path,
         "resumed",
-        2,
         "cp2.toml",
         [
             *args,

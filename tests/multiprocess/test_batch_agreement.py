@@ -17,6 +17,7 @@ from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
 from ..distributed import run_on_ranks
 from ..faults import FAULT_ENV, RANK_ENV
+from ..jobs import job_ranks
 from ..training_runs import REPO
 
 TIMEOUT_S = 180  # a hang would run to it; the jobs end within a minute
@@ -127,7 +128,7 @@ def test_fingerprint_sees_one_value_of_any_input():
         assert changed.tolist() == [False, False, grid, not grid], name
 
 
-# job: TOML, ranks, options, the failing step. Rank 1 drops a sample: a CP
+# job: TOML, options, the failing step. Rank 1 drops a sample: a CP
 # rank in the CP2 jobs, the second TP rank of CP rank 0 in TP2 + CP2 + SP,
 # pipeline stage 1 in PP2. Unpacked rows, one sample each: the first sample
 # read after batch 1 is batch 2's (the packer's buffer would move it to a later
@@ -136,11 +137,11 @@ def test_fingerprint_sees_one_value_of_any_input():
 UNPACKED = ["--dataloader.packing_buffer_size", "0"]
 VALIDATION = ["--validator.enable", "--validator.freq=1", "--validator.steps=1"]
 DIVERGING_JOBS = {
-    "cp2": ("cp2.toml", 2, [], "training step 2"),
-    "cp2_sharded_vision": ("cp2.toml", 2, SHARDED, "training step 2"),
-    "tp2_cp2_sp": ("tp2_cp2_sp.toml", 4, [], "training step 2"),
-    "pp2": ("pp2.toml", 2, [], "training step 1"),
-    "cp2_validation": ("cp2.toml", 2, VALIDATION, "step 1's validation"),
+    "cp2": ("cp2.toml", [], "training step 2"),
+    "cp2_sharded_vision": ("cp2.toml", SHARDED, "training step 2"),
+    "tp2_cp2_sp": ("tp2_cp2_sp.toml", [], "training step 2"),
+    "pp2": ("pp2.toml", [], "training step 1"),
+    "cp2_validation": ("cp2.toml", VALIDATION, "step 1's validation"),
 }
 
 
@@ -152,7 +153,8 @@ def _stamp(line: str) -> datetime:
 @pytest.mark.parametrize("job", DIVERGING_JOBS)
 def test_a_rank_that_drops_a_sample_stops_the_job_on_every_rank(tmp_path, job):
     """Every rank raises the same error naming the divergent batch, within 60 s."""
-    toml, ngpu, options, failing_step = DIVERGING_JOBS[job]
+    toml, options, failing_step = DIVERGING_JOBS[job]
+    ngpu = job_ranks(toml, *options)
     record = launch_run(
         job,
         {

@@ -28,11 +28,9 @@ FEATURE_REL_TOL = 1e-5
 
 
 def _job(mode: str, cp: int):
-    from torchtitan_ext.muse_glimmer.config_registry import (
-        muse_glimmer_debugmodel_mm_cp4,
-    )
+    from ..jobs import train_config
 
-    job = muse_glimmer_debugmodel_mm_cp4()
+    job = train_config("cp4.toml")
     job.parallelism.context_parallel_degree = cp
     job.parallelism.context_parallel_vision = mode
     job.model_spec.model.update_from_config(config=job)

@@ -28,11 +28,9 @@ def _encoder_config(layout: str):
         set_gqa_inner_attention_local_map,
     )
 
-    from torchtitan_ext.muse_glimmer.config_registry import (
-        muse_glimmer_debugmodel_mm_cp2,
-    )
+    from ..jobs import train_config
 
-    job = muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     model_config = job.model_spec.model
     model_config.update_from_config(config=job)
     encoder_config = model_config.vision_encoder

@@ -38,6 +38,7 @@ from torchtitan_ext.tools.hf_checkpoint import (
 )
 
 from ..hf_reference import BATCHES, caption_loss, hf_logits, make_batch, relative_error
+from ..jobs import job_ranks
 from ..parity_suites import STEPS
 from ..training_runs import REPO
 from ..unit.test_transformers_reference import LOGIT_REL_TOL, LOSS_TOL
@@ -48,12 +49,12 @@ SEQ = ["--training.seq_len", "512", "--training.local_batch_size", "2"]
 
 # job: (TOML, ranks, flags, compare logits with transformers)
 JOBS = {
-    "cp2": ("cp2.toml", 2, [], True),
-    "cp2_sharded_vision": ("cp2.toml", 2, SHARDED, True),
-    "cp4_sharded_vision": ("cp4.toml", 4, SHARDED, True),
-    "tp2_cp2_sp": ("tp2_cp2_sp.toml", 4, [], False),
-    "cp2_pp2": ("cp2_pp2.toml", 4, [], False),
-    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", 4, SHARDED, False),
+    "cp2": ("cp2.toml", [], True),
+    "cp2_sharded_vision": ("cp2.toml", SHARDED, True),
+    "cp4_sharded_vision": ("cp4.toml", SHARDED, True),
+    "tp2_cp2_sp": ("tp2_cp2_sp.toml", [], False),
+    "cp2_pp2": ("cp2_pp2.toml", [], False),
+    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", SHARDED, False),
 }
 
 
@@ -98,7 +99,7 @@ SUITE_COVERED = {"tp2_cp2_sp", "cp2_pp2"}
 
 def _run_worker(checkpoints, job: str) -> dict:
     """``hf_load_worker`` on ``job``: the DCP comparison, logits, export as set."""
-    toml, ngpu, flags, compare_logits = JOBS[job]
+    toml, flags, compare_logits = JOBS[job]
     out = checkpoints["out"] / job / "results.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     options = ["--dcp", str(checkpoints["dcp"])]
@@ -108,7 +109,7 @@ def _run_worker(checkpoints, job: str) -> dict:
         options.append("--export")
     command = [
         *(sys.executable, "-m", "torch.distributed.run"),
-        *("--nproc_per_node", str(ngpu), "--rdzv_backend", "c10d"),
+        *("--nproc_per_node", str(job_ranks(toml)), "--rdzv_backend", "c10d"),
         *("--rdzv_endpoint", "localhost:0", "-m", "tests.hf_load_worker"),
         *("--hf", str(checkpoints["hf"]), "--out", str(out), *options, "--"),
         *("--job.config_file", str(REPO / "train_configs" / toml), *SEQ, *flags),

@@ -26,7 +26,6 @@ def test_cp2_run_on_hostile_data(tmp_path):
     dump = run_train(
         tmp_path,
         "hostile_cp2",
-        2,
         "cp2.toml",
         [
             "--dataloader.dataset=obelics",

@@ -28,7 +28,6 @@ import pytest
 from torchtitan_ext.tools.parity import (
     ParityCase,
     ParityResult,
-    RunSpec,
     compare,
     compare_first_moments,
     launch_run,
@@ -64,16 +63,6 @@ HEADTAIL = "--parallelism.context_parallel_load_balancer headtail"
 SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
 
 
-def _registry_job(job: str, ngpu: int, options: str = "") -> RunSpec:
-    """A registry job ``muse_glimmer_debugmodel_mm_<job>`` (no TOML file)."""
-    return RunSpec(
-        module="torchtitan_ext.muse_glimmer",
-        config=f"muse_glimmer_debugmodel_mm_{job}",
-        options=options,
-        ngpu=ngpu,
-    )
-
-
 # The CP2 options a planted bug needs to show (default: cp2.toml's own).
 PLANTED_BUG_OPTIONS = {
     "image_rows_off_by_one_at_a_shard_boundary": HEADTAIL,
@@ -83,7 +72,7 @@ PLANTED_BUG_OPTIONS = {
 
 def _planted(bug: str) -> ParityCase:
     """CP2 with ``bug`` planted, 2 steps: the tight bounds and the moments judge."""
-    spec = toml_spec("cp2.toml", 2, PLANTED_BUG_OPTIONS.get(bug, ""))
+    spec = toml_spec("cp2.toml", PLANTED_BUG_OPTIONS.get(bug, ""))
     spec.env = {
         "TRAIN_FILE": "tests.planted_bugs",
         "TORCHTITAN_EXT_PLANTED_BUG": bug,
@@ -108,41 +97,39 @@ SHARPEST = {
     "cp2_sharded_vision_compiled": "cp2_sharded_vision_typechecked",
     "tp2_cp2_sp_compiled": "tp2_cp2_sp_typechecked",
 }
-# Compiled jobs: TOML, ranks, options; trained through tests/compile_report.py.
+# Compiled jobs: TOML and options; trained through tests/compile_report.py.
 COMPILED_JOBS = {
-    "cp2_compiled": ("cp2.toml", 2, ""),
-    "cp2_sharded_vision_compiled": ("cp2.toml", 2, SHARDED_VISION),
-    "tp2_cp2_sp_compiled": ("tp2_cp2_sp.toml", 4, ""),
+    "cp2_compiled": ("cp2.toml", ""),
+    "cp2_sharded_vision_compiled": ("cp2.toml", SHARDED_VISION),
+    "tp2_cp2_sp_compiled": ("tp2_cp2_sp.toml", ""),
 }
 CP_JOBS = {
-    "cp2_ptrr_typechecked": _registry_job("cp2_typechecked", 2),
-    "cp2_headtail": toml_spec("cp2.toml", 2, HEADTAIL),
+    "cp2_ptrr_typechecked": toml_spec("cp2_typechecked.toml"),
+    "cp2_headtail": toml_spec("cp2.toml", HEADTAIL),
     "cp2_none": toml_spec(
-        "cp2.toml", 2, "--parallelism.context_parallel_load_balancer None"
+        "cp2.toml", "--parallelism.context_parallel_load_balancer None"
     ),
-    "cp4_ptrr": toml_spec("cp4.toml", 4),
-    "cp2_sharded_vision_typechecked": _registry_job(
-        "cp2_typechecked", 2, SHARDED_VISION
+    "cp4_ptrr": toml_spec("cp4.toml"),
+    "cp2_sharded_vision_typechecked": toml_spec("cp2_typechecked.toml", SHARDED_VISION),
+    "cp4_sharded_vision": toml_spec("cp4.toml", SHARDED_VISION),
+    "tp2_cp2_sp_typechecked": toml_spec("tp2_cp2_sp_typechecked.toml"),
+    "tp2_cp2_sp_sharded_vision_typechecked": toml_spec(
+        "tp2_cp2_sp_typechecked.toml", SHARDED_VISION
     ),
-    "cp4_sharded_vision": toml_spec("cp4.toml", 4, SHARDED_VISION),
-    "tp2_cp2_sp_typechecked": _registry_job("tp2_cp2_sp_typechecked", 4),
-    "tp2_cp2_sp_sharded_vision_typechecked": _registry_job(
-        "tp2_cp2_sp_typechecked", 4, SHARDED_VISION
-    ),
-    "cp2_pp2": toml_spec("cp2_pp2.toml", 4),
-    "cp2_pp2_sharded_vision": toml_spec("cp2_pp2.toml", 4, SHARDED_VISION),
-    "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml", 4),
-    "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml", 8),
+    "cp2_pp2": toml_spec("cp2_pp2.toml"),
+    "cp2_pp2_sharded_vision": toml_spec("cp2_pp2.toml", SHARDED_VISION),
+    "cp2_pp2_interleaved": toml_spec("cp2_pp2_interleaved.toml"),
+    "tp2_cp2_pp2_sp": toml_spec("tp2_cp2_pp2_sp.toml"),
 }
 NON_CP_JOBS = {
-    "pp2": toml_spec("pp2.toml", 2),
-    "tp2_pp2_sp": toml_spec("tp2_pp2_sp.toml", 4),
+    "pp2": toml_spec("pp2.toml"),
+    "tp2_pp2_sp": toml_spec("tp2_pp2_sp.toml"),
 }
 
 
 def _compiled(name: str, reports: Path) -> ParityCase:
-    toml, ngpu, options = COMPILED_JOBS[name]
-    spec = toml_spec(toml, ngpu, f"{COMPILE} {options}".strip())
+    toml, options = COMPILED_JOBS[name]
+    spec = toml_spec(toml, f"{COMPILE} {options}".strip())
     spec.env = {
         "TRAIN_FILE": "tests.compile_report",
         "PYTHONPATH": str(REPO),
@@ -169,7 +156,7 @@ def packed(
     tests = {
         # The control is held to the tight bounds below, not by the suite.
         CONTROL: ParityCase(
-            toml_spec("tp2_sp.toml", 2), loss_tol=LOSS_TOL, grad_norm_tol=GRAD_NORM_TOL
+            toml_spec("tp2_sp.toml"), loss_tol=LOSS_TOL, grad_norm_tol=GRAD_NORM_TOL
         ),
         **{
             name: ParityCase(spec, control=CONTROL)
@@ -182,7 +169,7 @@ def packed(
     return run_suite(
         tmp_path_factory.mktemp("parity"),
         "packed",
-        toml_spec("packed.toml", 1),
+        toml_spec("packed.toml"),
         tests,
         seed_checkpoint=hf_seed_checkpoint,
         **CP_BOUNDS,

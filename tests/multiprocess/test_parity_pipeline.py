@@ -7,8 +7,6 @@ the 1-rank baseline sees the same rows in the same step. The packed PP jobs
 with images (PP2, CP2xPP2, TP2xCP2xPP2+SP) are in ``test_parity_cp.py``.
 """
 
-from torchtitan_ext.tools.parity import RunSpec
-
 from ..parity_suites import (
     STEPS,
     assert_passed,
@@ -58,15 +56,12 @@ def test_without_images_cp2_pp2_and_fsdp2_pp2(
     results = run_suite(
         tmp_path,
         "without_images",
-        toml_spec("packed.toml", 1, no_image_data),
+        toml_spec("packed.toml", no_image_data),
         {
-            "cp2_pp2": toml_spec("cp2_pp2.toml", 4, no_image_data),
+            "cp2_pp2": toml_spec("cp2_pp2.toml", no_image_data),
             # The blank image under spmd typechecking with TP > 1.
-            "tp2_cp2_sp_typechecked": RunSpec(
-                module="torchtitan_ext.muse_glimmer",
-                config="muse_glimmer_debugmodel_mm_tp2_cp2_sp_typechecked",
-                options=no_image_data,
-                ngpu=4,
+            "tp2_cp2_sp_typechecked": toml_spec(
+                "tp2_cp2_sp_typechecked.toml", no_image_data
             ),
         },
         seed_checkpoint=seed_checkpoint,
@@ -74,8 +69,8 @@ def test_without_images_cp2_pp2_and_fsdp2_pp2(
     results |= run_suite(
         tmp_path,
         "without_images_fsdp2",
-        toml_spec("fsdp2.toml", 2, no_image_data),
-        {"fsdp2_pp2": toml_spec("fsdp2_pp2.toml", 4, no_image_data)},
+        toml_spec("fsdp2.toml", no_image_data),
+        {"fsdp2_pp2": toml_spec("fsdp2_pp2.toml", no_image_data)},
         seed_checkpoint=seed_checkpoint,
     )
     assert_passed(results)

@@ -62,16 +62,15 @@ def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
     results = run_suite(
         tmp_path,
         "unpacked",
-        toml_spec("default.toml", 1, UNPACKED),
+        toml_spec("default.toml", UNPACKED),
         {
             "grad_accum_control": toml_spec(
                 "default.toml",
-                1,
                 "--training.seq_len 256 --training.local_batch_size 1 "
                 "--training.global_batch_size 2",
             ),
             "cp2_ptrr": ParityCase(
-                toml_spec("default.toml", 2, f"{UNPACKED} {CP2_PTRR}"),
+                toml_spec("default.toml", f"{UNPACKED} {CP2_PTRR}"),
                 control="grad_accum_control",
             ),
         },
@@ -113,17 +112,16 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
     results = run_suite(
         tmp_path,
         "unpacked_cp4",
-        toml_spec("default.toml", 1, UNPACKED_512),
+        toml_spec("default.toml", UNPACKED_512),
         {
             "grad_accum_control": toml_spec(
                 "default.toml",
-                1,
                 "--training.seq_len 512 --training.local_batch_size 1 "
                 "--training.global_batch_size 2",
             ),
             **{
                 name: ParityCase(
-                    toml_spec("default.toml", 4, f"{UNPACKED_512} {CP4_PTRR} {mode}"),
+                    toml_spec("default.toml", f"{UNPACKED_512} {CP4_PTRR} {mode}"),
                     control="grad_accum_control",
                 )
                 for name, mode in (
@@ -186,7 +184,7 @@ def test_plugin_is_bitwise_upstream(
         tmp_path,
         toml.removesuffix(".toml"),
         upstream_spec(embedded_assets, 2, f"{UNPACKED} {degree}"),
-        {"plugin": toml_spec(toml, 2, UNPACKED)},
+        {"plugin": toml_spec(toml, UNPACKED)},
         seed_checkpoint=seed_checkpoint,
         exact=True,
     )

@@ -51,7 +51,6 @@ def test_pp2_run_places_omitted_vision_modules(tmp_path):
     run_train(
         tmp_path,
         "placed",
-        2,
         str(toml),
         args,
         timeout_s=TIMEOUT_S,
@@ -68,7 +67,6 @@ def test_pp2_run_rejects_vision_on_stage_1_on_every_rank(tmp_path):
         run_train(
             tmp_path,
             "rejected",
-            2,
             str(toml),
             ["--training.steps=1", "--training.seq_len=256"],
             timeout_s=TIMEOUT_S,

@@ -62,17 +62,17 @@ FSDP2_CONTROL_FACTOR = 8.0
 TRAIN_TIMEOUT_S = 120
 
 JOBS = {
-    "1rank": toml_spec("packed.toml", 1),
-    "cp2": toml_spec("cp2.toml", 2),
-    "tp2_sp": toml_spec("tp2_sp.toml", 2),
-    "fsdp2": toml_spec("fsdp2.toml", 2),
-    "fsdp2_cp2": toml_spec("fsdp2_cp2.toml", 4),
+    "1rank": toml_spec("packed.toml"),
+    "cp2": toml_spec("cp2.toml"),
+    "tp2_sp": toml_spec("tp2_sp.toml"),
+    "fsdp2": toml_spec("fsdp2.toml"),
+    "fsdp2_cp2": toml_spec("fsdp2_cp2.toml"),
     "fsdp2_cp2_sharded_vision": toml_spec(
-        "fsdp2_cp2.toml", 4, "--parallelism.context_parallel_vision sharded"
+        "fsdp2_cp2.toml", "--parallelism.context_parallel_vision sharded"
     ),
     # FSDP2 with two accumulated microbatches per rank: FSDP2xCP2's control.
     "fsdp2_grad_accum": toml_spec(
-        "fsdp2.toml", 2, "--training.local_batch_size 1 --training.global_batch_size 4"
+        "fsdp2.toml", "--training.local_batch_size 1 --training.global_batch_size 4"
     ),
 }
 _TRAIN_ARGS = [

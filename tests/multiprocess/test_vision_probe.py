@@ -62,7 +62,7 @@ def out_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(out_dir, seed_checkpoint) -> dict[str, Path]:
     args = probe_training_args(steps=STEPS, seed_checkpoint=seed_checkpoint, fp32=True)
-    dump = run_train(out_dir, "cp2", 2, "cp2.toml", args, timeout_s=TIMEOUT_S)
+    dump = run_train(out_dir, "cp2", "cp2.toml", args, timeout_s=TIMEOUT_S)
     return {"cp2": checkpoint_path(dump, STEPS)}
 
 

@@ -319,7 +319,7 @@ def test_jobs_name_the_data_without_making_it(tmp_path: Path) -> None:
         "from torchtitan_ext import cpu_backend\n"
         "cpu_backend.apply()\n"
         "from torchtitan_ext.muse_glimmer import config_registry\n"
-        "job = config_registry.muse_glimmer_debugmodel_mm_cp2()\n"
+        "job = config_registry.muse_glimmer_debugmodel_mm_packed()\n"
         "print(job.hf_assets_path, job.dataloader.dataset_path)\n"
         "print(sorted(m for m in sys.modules if 'torchtitan_ext.tools' in m))\n"
     )

@@ -31,6 +31,8 @@ from torchtitan_ext.muse_glimmer import trainer
 from torchtitan_ext.muse_glimmer.config_checks import check_job_config
 from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
+from ..jobs import train_config
+
 _IMAGE_TOKEN = "<|image_pad|>"
 
 
@@ -78,7 +80,7 @@ def test_degrees_that_do_not_divide_the_world_are_rejected(cp, world_size, produ
 
 
 def test_upstream_names_an_explicit_dp_shard_that_does_not_multiply_out():
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     job.parallelism.data_parallel_shard_degree = 2
     check_job_config(job, world_size=2)  # left to upstream: no second message
     with pytest.raises(AssertionError) as error:
@@ -123,7 +125,7 @@ def test_cp_degree_no_sequence_allows_names_the_largest_degree():
 
 def test_cp_check_runs_before_the_trainers_shorter_divisor_check():
     # Upstream's Trainer would say "must be divisible by 4" for this job.
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     job.training.seq_len = 130
     with pytest.raises(ValueError) as error:
         check_job_config(job, world_size=2)
@@ -148,7 +150,7 @@ def test_cp_check_runs_before_the_trainers_shorter_divisor_check():
 def test_heads_not_divisible_by_tp_fail_at_config_time(tp, vision_heads, named, valid):
     # Upstream names one decoder count at a time, the vision heads only at
     # parallelize time; the debug flavor's 4 + 4 heads meet TP 3 together.
-    job = registry.muse_glimmer_debugmodel_mm_tp2_sp()
+    job = train_config("tp2_sp.toml")
     job.parallelism.tensor_parallel_degree = tp
     job.training.seq_len = 384
     job.model_spec.model.vision_encoder.num_heads = vision_heads
@@ -229,7 +231,7 @@ def test_upstream_names_a_dataset_path_without_data_files(tmp_path):
 
 
 def _pp2(schedule: str = "1F1B", **parallelism):
-    job = registry.muse_glimmer_debugmodel_mm_pp2()
+    job = train_config("pp2.toml")
     job.parallelism.pipeline_parallel_schedule = schedule
     for name, value in parallelism.items():
         setattr(job.parallelism, name, value)
@@ -329,7 +331,7 @@ def test_user_split_that_fits_passes():
 def test_trainer_checks_the_job_before_parallel_dims(monkeypatch):
     # Upstream's ParallelDims would fail on a bare ``assert dp_shard >= 1``.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    job = registry.muse_glimmer_debugmodel_mm_cp4()
+    job = train_config("cp4.toml")
     with pytest.raises(ValueError) as error:
         trainer.MuseGlimmerTrainer.init_distributed(SimpleNamespace(config=job))
     assert str(error.value).startswith(
@@ -364,14 +366,14 @@ def test_trainer_checks_the_job_before_parallel_dims(monkeypatch):
     ],
 )
 def test_bad_image_settings_are_named_at_start_up(field, value, named):
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     setattr(job.dataloader, field, value)
     with pytest.raises(ValueError, match=re.escape(f"dataloader.{named}")):
         check_job_config(job, _world_size(job))
 
 
 def test_the_validators_image_settings_are_checked_too():
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     job.validator.enable = True
     job.validator.dataloader = dataclasses.replace(
         job.dataloader, image_std=(0.5, 0.0, 0.5)

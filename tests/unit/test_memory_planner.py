@@ -22,9 +22,10 @@ from torchtitan_ext.tools.estimate.batch import image_size, synthetic_batch
 from torchtitan_ext.tools.estimate.planner import ranks_to_plan
 from torchtitan_ext.tools.simulated_cluster import load_job
 
+from ..jobs import TRAIN_CONFIGS
+
 _DEBUG_JOB = [
-    *("--module", "torchtitan_ext.muse_glimmer"),
-    *("--config", "muse_glimmer_debugmodel_mm_cp2"),
+    *("--job.config_file", str(TRAIN_CONFIGS / "cp2.toml")),
     *("--training.seq_len", "512"),
     *("--training.local_batch_size", "1"),
 ]

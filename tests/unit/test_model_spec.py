@@ -7,6 +7,8 @@ from torchtitan.models.muse_glimmer import model_registry as upstream_model_regi
 from torchtitan_ext.muse_glimmer import MuseGlimmerModel, model_registry
 from torchtitan_ext.muse_glimmer import config_registry as registry
 
+from ..jobs import train_config
+
 
 def _built(spec_fn):
     return spec_fn("debugmodel_mm").model.build()
@@ -80,7 +82,7 @@ def test_seq_len_rejection_names_the_numbers(degrees, seq_len, message):
 
 @pytest.mark.parametrize("mask_key", [None, "local", "swa_64"])
 def test_ptrr_without_a_valid_mask_key_is_rejected(mask_key):
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     job.parallelism.context_parallel_ptrr_mask_key = mask_key
     with pytest.raises(ValueError) as error:
         _update(job)
@@ -92,20 +94,14 @@ def test_ptrr_without_a_valid_mask_key_is_rejected(mask_key):
 
 
 def test_varlen_attention_with_cp_is_rejected():
-    job = registry.muse_glimmer_debugmodel_mm_cp2()
+    job = train_config("cp2.toml")
     job.model_spec = model_registry("debugmodel_mm", attn_backend="varlen")
     with pytest.raises(NotImplementedError, match="Varlen attention is not supported"):
         _update(job)
 
 
 @pytest.mark.parametrize(
-    "job_fn",
-    [
-        registry.muse_glimmer_debugmodel_mm_cp2,
-        registry.muse_glimmer_debugmodel_mm_cp4,
-        registry.muse_glimmer_debugmodel_mm_tp2_cp2_sp,
-        registry.muse_glimmer_debugmodel_mm_fsdp2_cp2,
-    ],
+    "name", ["cp2.toml", "cp4.toml", "tp2_cp2_sp.toml", "fsdp2_cp2.toml"]
 )
-def test_valid_cp_jobs_pass_the_start_up_checks(job_fn):
-    _update(job_fn())
+def test_valid_cp_jobs_pass_the_start_up_checks(name):
+    _update(train_config(name))

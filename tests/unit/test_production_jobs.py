@@ -31,7 +31,7 @@ from torchtitan_ext.muse_glimmer.config_checks import check_job_config
 from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
 from torchtitan_ext.tools.simulated_cluster import job_world_size
 
-from ..production_jobs import PRODUCTION_CONFIGS, TRAIN_CONFIGS, production_job
+from ..jobs import PRODUCTION_CONFIGS, TRAIN_CONFIGS, train_config
 
 GPUS_32 = "30b_mm_fsdp4_cp4_tp2_sp.toml"  # 4 nodes x 8 GPUs
 GPUS_32_SHARDED = "30b_mm_fsdp4_cp4_tp2_sp_sharded_vision.toml"
@@ -47,7 +47,7 @@ def _start_up(job, world_size: int) -> None:
 
 
 def test_there_are_production_jobs_on_both_clusters():
-    worlds = {name: job_world_size(production_job(name)) for name in PRODUCTION_CONFIGS}
+    worlds = {name: job_world_size(train_config(name)) for name in PRODUCTION_CONFIGS}
     assert worlds == {
         GPUS_32: 32,
         GPUS_32_SHARDED: 32,
@@ -58,7 +58,7 @@ def test_there_are_production_jobs_on_both_clusters():
 
 @pytest.mark.parametrize("name", PRODUCTION_CONFIGS)
 def test_production_job_passes_the_start_up_checks(name):
-    job = production_job(name)
+    job = train_config(name)
     _start_up(job, job_world_size(job))
     vision = "sharded" if name.endswith("_sharded_vision.toml") else "replicated"
     assert job.parallelism.context_parallel_vision == vision
@@ -68,7 +68,7 @@ def test_production_job_passes_the_start_up_checks(name):
 @pytest.mark.parametrize("name", PRODUCTION_CONFIGS)
 def test_production_job_is_upstreams_30b_mm_job(name):
     """The plug-in's Trainer, model and loader; upstream's settings and paths."""
-    job = production_job(name)
+    job = train_config(name)
     reference = upstream.muse_glimmer_30b_mm()
     assert isinstance(job, MuseGlimmerTrainer.Config)
     assert isinstance(job.dataloader, RobustMMDataLoader.Config)
@@ -98,7 +98,7 @@ def test_production_job_is_upstreams_30b_mm_job(name):
 def test_pp_split_weighs_the_first_and_last_stages_extra_modules():
     """Stage 0's embedding and vision stack count as 7 decoder layers, the last
     stage's lm_head as 3: their parameter counts, in layers, rounded."""
-    job = production_job(GPUS_128)
+    job = train_config(GPUS_128)
     model_config = job.model_spec.model
     with torch.device("meta"):
         model = model_config.build()
@@ -121,7 +121,7 @@ def test_pp_split_weighs_the_first_and_last_stages_extra_modules():
 
 
 def test_asset_and_data_paths_are_overridable():
-    job = production_job(
+    job = train_config(
         GPUS_32,
         "--hf_assets_path",
         "/data/Muse-Glimmer-30B",
@@ -195,14 +195,14 @@ def test_asset_and_data_paths_are_overridable():
 def test_near_miss_fails_at_start_up_naming_the_values(
     name, overrides, world_size, error, message
 ):
-    job = production_job(name, *overrides)
+    job = train_config(name, *overrides)
     with pytest.raises(error) as raised:
         _start_up(job, world_size)
     assert str(raised.value) == message
 
 
 def test_user_split_with_a_part_per_node_instead_of_per_stage_is_rejected():
-    job = production_job(GPUS_128)
+    job = train_config(GPUS_128)
     layers = [f"layers.{i}" for i in range(52)]
     job.parallelism.module_fqns_per_model_part = [
         ["tok_embeddings", *layers[:17]],
@@ -224,7 +224,7 @@ def test_a_vision_mode_typo_in_a_toml_file_is_rejected_naming_the_file(tmp_path)
     bad = tmp_path / "typo.toml"
     bad.write_text(text.replace('"replicated"', '"shard"'))
     with pytest.raises(ConfigFileError) as raised:
-        production_job(str(bad))
+        train_config(str(bad))
     assert str(raised.value) == (
         f"{bad}: parallelism.context_parallel_vision: expected one of "
         "'replicated', 'sharded', got str 'shard'"

@@ -41,7 +41,7 @@ from torchtitan_ext.muse_glimmer.sharding import CP
 from torchtitan_ext.tools import simulated_cluster
 from torchtitan_ext.tools.simulated_cluster import job_world_size, simulated_rank
 
-from ..production_jobs import PRODUCTION_CONFIGS, TRAIN_CONFIGS, production_job
+from ..jobs import PRODUCTION_CONFIGS, TRAIN_CONFIGS, train_config
 
 _RSS_GROWTH_LIMIT = 256 * 2**20
 
@@ -200,7 +200,7 @@ def _check_stage(simulated, *, sharded: bool) -> None:
 
 @pytest.mark.parametrize("name", PRODUCTION_CONFIGS)
 def test_production_job_plan_on_its_simulated_cluster(name, upstream_plans):
-    job = production_job(name)
+    job = train_config(name)
     sharded = job.parallelism.context_parallel_vision == "sharded"
     for rank in _ranks_to_simulate(job):
         if cpu_backend.is_active():
@@ -238,7 +238,7 @@ def test_cli_prints_a_ranks_plan(capsys):
 
 def test_a_job_without_its_world_size_is_refused():
     with pytest.raises(ValueError) as raised:
-        job_world_size(production_job("tp2_cp2_pp2_sp.toml"))
+        job_world_size(train_config("tp2_cp2_pp2_sp.toml"))
     assert str(raised.value) == (
         "data_parallel_shard_degree=-1 leaves the world size to the launcher; "
         "pass world_size (--world-size) to simulate the job."

@@ -1,59 +1,62 @@
-"""Every TOML job in train_configs/ parses into the plug-in's Trainer config."""
+"""Every TOML job in train_configs/ parses into the plug-in's Trainer config, with
+the topology its file name states, and the README lists it."""
 
-from pathlib import Path
+import math
+import re
 
 import pytest
-from torchtitan.config import ConfigManager
 
-from torchtitan_ext.config_file import merge_args
+from torchtitan_ext.config_file import job_ranks
 from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
 
-TRAIN_CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
+from ..jobs import TRAIN_CONFIGS, train_config
+from ..training_runs import REPO
 
-# file -> (ranks, packed, cp, tp, dp_shard, pp)
-EXPECTED = {
-    "default.toml": (1, False, 1, 1, -1, 1),
-    "quickstart.toml": (1, False, 1, 1, -1, 1),
-    "fsdp2_unpacked.toml": (2, False, 1, 1, 2, 1),
-    "tp2_sp_unpacked.toml": (2, False, 1, 2, -1, 1),
-    "pp2_unpacked.toml": (2, False, 1, 1, -1, 2),
-    "packed.toml": (1, True, 1, 1, -1, 1),
-    "cp2.toml": (2, True, 2, 1, -1, 1),
-    "cp4.toml": (4, True, 4, 1, -1, 1),
-    "fsdp2.toml": (2, True, 1, 1, 2, 1),
-    "fsdp2_cp2.toml": (4, True, 2, 1, 2, 1),
-    "tp2_sp.toml": (2, True, 1, 2, -1, 1),
-    "tp2_cp2_sp.toml": (4, True, 2, 2, -1, 1),
-    "pp2.toml": (2, True, 1, 1, -1, 2),
-    "fsdp2_pp2.toml": (4, True, 1, 1, 2, 2),
-    "cp2_pp2.toml": (4, True, 2, 1, -1, 2),
-    "cp2_pp2_interleaved.toml": (4, True, 2, 1, -1, 2),
-    "tp2_pp2_sp.toml": (4, True, 1, 2, -1, 2),
-    "tp2_cp2_pp2_sp.toml": (8, True, 2, 2, -1, 2),
-    # Production jobs of the 30B_mm flavor (tests/unit/test_production_jobs.py).
-    "30b_mm_fsdp4_cp4_tp2_sp.toml": (32, True, 4, 2, 4, 1),
-    "30b_mm_fsdp4_cp4_tp2_sp_sharded_vision.toml": (32, True, 4, 2, 4, 1),
-    "30b_mm_fsdp4_cp4_tp2_pp4_sp.toml": (128, True, 4, 2, 4, 4),
-    "30b_mm_fsdp4_cp4_tp2_pp4_sp_sharded_vision.toml": (128, True, 4, 2, 4, 4),
+NAMES = sorted(p.name for p in TRAIN_CONFIGS.glob("*.toml"))
+# File-name word -> the parallelism field its number sets.
+_DEGREES = {
+    "fsdp": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
+    "tp": "tensor_parallel_degree",
+    "pp": "pipeline_parallel_degree",
 }
 
 
-def test_every_train_config_is_listed():
-    assert sorted(p.name for p in TRAIN_CONFIGS.glob("*.toml")) == sorted(EXPECTED)
+def _stated(name: str) -> tuple[dict[str, int], set[str]]:
+    """The degrees and flags a file name states (``tp2_cp2_sp_typechecked``...)."""
+    words = name.removesuffix(".toml").split("_")
+    degrees, flags = {}, set()
+    for word in words:
+        match = re.fullmatch(r"(fsdp|cp|tp|pp)(\d+)", word)
+        if match:
+            degrees[_DEGREES[match[1]]] = int(match[2])
+        else:
+            flags.add(word)
+    return degrees, flags
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_train_config_parses(name):
-    ranks, packed, cp, tp, dp_shard, pp = EXPECTED[name]
-    args = merge_args(["--job.config_file", str(TRAIN_CONFIGS / name)])
-    config = ConfigManager().parse_args(args)
+def test_the_readme_lists_every_job():
+    readme = (REPO / "README.md").read_text()
+    listed = re.findall(r"^\| `([\w.]+\.toml)` \|", readme, flags=re.M)
+    assert sorted(listed) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_config_parses_to_the_topology_its_name_states(name):
+    config = train_config(name)
     assert isinstance(config, MuseGlimmerTrainer.Config)
+    degrees, flags = _stated(name)
     parallelism = config.parallelism
-    assert parallelism.context_parallel_degree == cp
-    assert parallelism.tensor_parallel_degree == tp
-    assert parallelism.data_parallel_shard_degree == dp_shard
-    assert parallelism.pipeline_parallel_degree == pp
+    for field in _DEGREES.values():
+        default = -1 if field == "data_parallel_shard_degree" else 1
+        assert getattr(parallelism, field) == degrees.get(field, default), field
+    if parallelism.tensor_parallel_degree > 1:
+        assert parallelism.enable_sequence_parallel == ("sp" in flags)
+    assert config.debug.spmd_typechecking == ("typechecked" in flags)
+    vision = "sharded" if "sharded" in flags else "replicated"
+    assert parallelism.context_parallel_vision == vision
+    packed = not flags & {"default", "quickstart", "unpacked"}
     assert (config.dataloader.packing_buffer_size > 0) == packed
-    assert cp * tp * max(dp_shard, 1) * pp == ranks
-    if cp > 1:
+    assert job_ranks(config) == math.prod(degrees.values())
+    if parallelism.context_parallel_degree > 1:
         config.model_spec.model.update_from_config(config=config)

@@ -35,19 +35,18 @@ from torchtitan_ext.tools.vision_probe import (
 __all__ = ["main"]
 
 _SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
-# Job name: its TOML file, ranks and extra flags.
+# Job name: its TOML file and extra flags (the ranks follow from both).
 _JOBS = {
-    "fsdp2": ("fsdp2.toml", 2, ""),
-    "fsdp2_cp2": ("fsdp2_cp2.toml", 4, ""),
-    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", 4, _SHARDED_VISION),
-    "cp2": ("cp2.toml", 2, ""),
-    "cp2_sharded_vision": ("cp2.toml", 2, _SHARDED_VISION),
-    "packed": ("packed.toml", 1, ""),
+    "fsdp2": ("fsdp2.toml", ""),
+    "fsdp2_cp2": ("fsdp2_cp2.toml", ""),
+    "fsdp2_cp2_sharded_vision": ("fsdp2_cp2.toml", _SHARDED_VISION),
+    "cp2": ("cp2.toml", ""),
+    "cp2_sharded_vision": ("cp2.toml", _SHARDED_VISION),
+    "packed": ("packed.toml", ""),
     # Reorder controls for FSDP2 x CP2: the same global batch, other rounding.
-    "fsdp2_tp2_sp": ("fsdp2.toml", 4, "--parallelism.tensor_parallel_degree 2"),
+    "fsdp2_tp2_sp": ("fsdp2.toml", "--parallelism.tensor_parallel_degree 2"),
     "fsdp2_cp2_headtail": (
         "fsdp2_cp2.toml",
-        4,
         "--parallelism.context_parallel_load_balancer headtail",
     ),
 }
@@ -55,12 +54,8 @@ _JOBS = {
 
 def _train(out: Path, name: str, job: str, args: list[str]) -> Path:
     dump = out / name
-    toml, ngpu, options = _JOBS[job]
-    job = RunSpec(
-        config_file=str(REPO_ROOT / "train_configs" / toml),
-        ngpu=ngpu,
-        options=options,
-    )
+    toml, options = _JOBS[job]
+    job = RunSpec(config_file=str(REPO_ROOT / "train_configs" / toml), options=options)
     record = launch_run(
         name,
         job.job_env(),

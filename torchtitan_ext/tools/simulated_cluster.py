@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from torchtitan_ext import config_file
 
 if TYPE_CHECKING:  # torchtitan is imported after cpu_backend.apply(), in functions.
     from torch import nn
@@ -77,42 +78,23 @@ class SimulatedRank:
 
 
 def load_job(args: list[str]):
-    """A job's ``Trainer.Config`` from command-line arguments, as training parses them.
-
-    ``--job.config_file PATH.toml`` or ``--module M --config C``, then
-    ``--section.key value`` overrides (``torchtitan_ext.config_file``).
-    """
-    from torchtitan.config import ConfigManager
-
-    from torchtitan_ext.config_file import merge_args
+    """``config_file.load_job``, with the debug jobs' data made as the launcher does."""
     from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
-    ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
-    return ConfigManager().parse_args(merge_args(args))
+    ensure_embedded_assets()
+    return config_file.load_job(args)
 
 
 def job_world_size(config) -> int:
-    """The number of ranks a job runs on: the product of its parallel degrees.
-
-    Its ``data_parallel_shard_degree`` must be explicit: with -1 the job fits
-    any multiple of the other degrees, and the world size must be given.
-    """
-    parallelism = config.parallelism
-    if parallelism.data_parallel_shard_degree < 1:
+    """``config_file.job_ranks``, with ``data_parallel_shard_degree`` explicit:
+    with -1 the job fits any multiple of the other degrees."""
+    if config.parallelism.data_parallel_shard_degree < 1:
         raise ValueError(
             "data_parallel_shard_degree="
-            f"{parallelism.data_parallel_shard_degree} leaves the world size to "
-            "the launcher; pass world_size (--world-size) to simulate the job."
+            f"{config.parallelism.data_parallel_shard_degree} leaves the world size "
+            "to the launcher; pass world_size (--world-size) to simulate the job."
         )
-    return math.prod(
-        (
-            parallelism.data_parallel_replicate_degree,
-            parallelism.data_parallel_shard_degree,
-            parallelism.context_parallel_degree,
-            parallelism.tensor_parallel_degree,
-            parallelism.pipeline_parallel_degree,
-        )
-    )
+    return config_file.job_ranks(config)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ Example::
 
     python -m torchtitan_ext.tools.parity \\
         --baseline-config-file train_configs/packed.toml \\
-        --test-config-file train_configs/cp2.toml --test-ngpu 2 --steps 10
+        --test-config-file train_configs/cp2.toml --steps 10
 
 Write option strings as ``--x-options="..."``: argparse takes a separate
 value that starts with ``--`` for a flag of its own.
@@ -30,31 +30,45 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     for side in ("baseline", "test"):
-        inherited = "" if side == "baseline" else ", or the baseline's"
-        group = parser.add_argument_group(side)
-        group.add_argument(
-            f"--{side}-module",
-            default=DEFAULT_MODULE if side == "baseline" else None,
-            help=f"registry module (default: {DEFAULT_MODULE}{inherited})",
-        )
-        group.add_argument(
-            f"--{side}-config",
-            default=DEFAULT_CONFIG if side == "baseline" else None,
-            help=f"registry config function (default: {DEFAULT_CONFIG}{inherited})",
-        )
-        group.add_argument(
-            f"--{side}-config-file",
-            default=None,
-            help="TOML job file (CONFIG_FILE), instead of module/config",
-        )
-        group.add_argument(
-            f"--{side}-options",
-            default="",
-            help=f'extra trainer flags, one string: --{side}-options="--a 1 --b 2"',
-        )
-        group.add_argument(
-            f"--{side}-ngpu", type=int, default=1, help="ranks (default: 1)"
-        )
+        _add_side(parser.add_argument_group(side), side)
+    _add_run_options(parser)
+    _add_bounds(parser)
+    return parser
+
+
+def _add_side(group, side: str) -> None:
+    """One side's job: registry function or TOML file, options, ranks."""
+    inherited = "" if side == "baseline" else ", or the baseline's"
+    group.add_argument(
+        f"--{side}-module",
+        default=DEFAULT_MODULE if side == "baseline" else None,
+        help=f"registry module (default: {DEFAULT_MODULE}{inherited})",
+    )
+    group.add_argument(
+        f"--{side}-config",
+        default=DEFAULT_CONFIG if side == "baseline" else None,
+        help=f"registry config function (default: {DEFAULT_CONFIG}{inherited})",
+    )
+    group.add_argument(
+        f"--{side}-config-file",
+        default=None,
+        help="TOML job file (CONFIG_FILE), instead of module/config",
+    )
+    group.add_argument(
+        f"--{side}-options",
+        default="",
+        help=f'extra trainer flags, one string: --{side}-options="--a 1 --b 2"',
+    )
+    group.add_argument(
+        f"--{side}-ngpu",
+        type=int,
+        default=None,
+        help="ranks (default: the product of the config file's and options' "
+        "degrees; 1 for a registry job)",
+    )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps (default: 10)")
     parser.add_argument(
         "--seed-options",
@@ -73,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="new or empty folder for logs and reports "
         "(default: outputs/parity/<timestamp>)",
     )
+    parser.add_argument(
+        "--keep-mixed-precision",
+        action="store_true",
+        help="do not force --training.mixed_precision_param float32",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per run (default: none)"
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="do not echo the runs' output"
+    )
+
+
+def _add_bounds(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loss-tol", type=float, default=DEFAULT_LOSS_TOL, help="max |dloss|"
     )
@@ -99,18 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="max first-moment difference relative to each tensor's largest "
         "entry (default: report only)",
     )
-    parser.add_argument(
-        "--keep-mixed-precision",
-        action="store_true",
-        help="do not force --training.mixed_precision_param float32",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds per run (default: none)"
-    )
-    parser.add_argument(
-        "--quiet", action="store_true", help="do not echo the runs' output"
-    )
-    return parser
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[RunSpec, RunSpec]:

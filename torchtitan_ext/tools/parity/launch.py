@@ -51,24 +51,34 @@ class RunSpec:
     ``config_file`` (a TOML job, passed as ``CONFIG_FILE``) replaces
     ``module``/``config`` when set. ``options`` are extra trainer flags, one
     shell-quoted string as in ``loss_compare.py``; ``env`` extra variables
-    for ``run_train.sh`` (e.g. ``TRAIN_FILE``, the entry module).
+    for ``run_train.sh`` (e.g. ``TRAIN_FILE``, the entry module). ``ngpu``
+    defaults to the ranks the file's degrees (and ``options``') ask for.
     """
 
     module: str = DEFAULT_MODULE
     config: str = DEFAULT_CONFIG
     config_file: str | None = None
     options: str = ""
-    ngpu: int = 1
+    ngpu: int | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.ngpu < 1:
-            raise ValueError(f"ngpu must be at least 1, got {self.ngpu}")
         if self.config_file:
             # The runs may start elsewhere than the caller's working directory.
             self.config_file = str(Path(self.config_file).resolve())
             if not Path(self.config_file).is_file():
                 raise ValueError(f"config file not found: {self.config_file}")
+        if self.ngpu is None:
+            self.ngpu = self._job_ranks() if self.config_file else 1
+        if self.ngpu < 1:
+            raise ValueError(f"ngpu must be at least 1, got {self.ngpu}")
+
+    def _job_ranks(self) -> int:
+        from torchtitan_ext.config_file import job_ranks, load_job
+
+        return job_ranks(
+            load_job(["--job.config_file", self.config_file, *self.option_args()])
+        )
 
     def job_env(self, ngpu: int | None = None) -> dict[str, str]:
         """The ``run_train.sh`` variables that select this job."""

@@ -32,10 +32,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-import _cp_step  # benchmarks/, first on sys.path when run as a script
+import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
+from _harness import alternating, median_pair_ratio
 from _live_memory import graph_nodes
-from _pairs import alternating, median_pair_ratio
 
 __all__ = [
     "VISION_MODES",
@@ -74,10 +74,10 @@ def modes_at(trainer, modes: Sequence[str]) -> list[str]:
     return list(modes) if trainer.parallel_dims.cp_enabled else ["replicated"]
 
 
-def train_step_in(trainer, mode: str, batch: _cp_step.Batch) -> float:
+def train_step_in(trainer, mode: str, batch: _harness.Batch) -> float:
     """One ``Trainer.train_step`` in ``mode`` on a fresh copy of ``batch`` (ms)."""
     set_vision_mode(trainer, mode)
-    return _cp_step.train_step(trainer, with_vision_share(trainer, batch))
+    return _harness.train_step(trainer, with_vision_share(trainer, batch))
 
 
 def time_in_pairs(
@@ -126,14 +126,14 @@ def ratio_cells(summary: dict) -> list[str]:
     return [f"{summary['sharded_ratio']:.2f}x", f"{low:.2f}-{high:.2f}x"]
 
 
-def with_vision_share(trainer, batch: _cp_step.Batch) -> _cp_step.Batch:
+def with_vision_share(trainer, batch: _harness.Batch) -> _harness.Batch:
     """A fresh copy of ``batch`` as the Trainer's ``batch_generator`` yields it.
 
     Checked, and in sharded mode carrying this CP rank's share of the images.
     A copy, since the model's forward records an spmd type on the vision
     inputs that differs between the modes.
     """
-    return next(trainer.batch_generator([_cp_step.clone_batch(batch)]))
+    return next(trainer.batch_generator([_harness.clone_batch(batch)]))
 
 
 _COLLECTIVES = frozenset(

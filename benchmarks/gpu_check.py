@@ -7,8 +7,8 @@ that fails or times out leaves an ``error`` beside what it had saved.
   against torchtitan's own ``muse_glimmer_debugmodel_mm`` (0.3.0 as shipped,
   without #4244: the rows' images are square, which that bug leaves alone),
   each its real Trainer on 1 rank (NCCL), flex attention compiled as on any GPU. Per
-  ``--images`` count, a ``_cp_degrees.synthetic_batch`` row: tokens/s (median
-  ``_cp_step.train_step`` of ``--steps``, after ``--warmup``), peak allocated /
+  ``--images`` count, a ``_harness.synthetic_batch`` row: tokens/s (median
+  ``_harness.train_step`` of ``--steps``, after ``--warmup``), peak allocated /
   reserved memory over those steps, then the host syncs of one more step by
   phase and owner (``host_syncs.py``'s recorder), images of 4 tokens: dynamo
   does not compile under the recorder, and eager flex attention would
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args, argv: list[str], folder: Path) -> dict:
     """Each section's command, environment and time limit."""
-    import _cp_degrees
+    from torchtitan_ext.tools.local_ranks import free_port
 
     py, out = sys.executable, {name: str(folder / f"{name}.json") for name in LIMITS_S}
     commands = {
@@ -92,7 +92,7 @@ def _plan(args, argv: list[str], folder: Path) -> dict:
     for name in ONE_RANK:  # a world of one, as torchrun would set it (no agent)
         env[name] = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         env[name] |= {"LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-        env[name]["MASTER_PORT"] = str(_cp_degrees._free_port())
+        env[name]["MASTER_PORT"] = str(free_port())
     return {
         name: {"command": command, "env": env.get(name, {}), "limit_s": LIMITS_S[name]}
         for name, command in commands.items()
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_section(args) -> None:
     """A section's worker; what it saves survives its end or a timeout."""
-    from _cp_step import exit_worker
+    from _harness import exit_worker
 
     from torchtitan_ext import cpu_backend
 
@@ -226,8 +226,8 @@ def _cuda(what: str):
 
 
 def _one_rank_config(args, side: str, dump: str):
-    """The side's job, RoPE sized to ``--seq-len`` (``_cp_degrees._fit_model``)."""
-    import _cp_degrees
+    """The side's job, RoPE sized to ``--seq-len`` (``_harness.fit_model``)."""
+    import _harness
 
     from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
     from torchtitan_ext.tools.simulated_cluster import load_job
@@ -244,13 +244,12 @@ def _one_rank_config(args, side: str, dump: str):
     job += ["--metrics.log_freq", str(steps + 1)]  # its logging resets the peaks
     config = load_job(job)
     model = config.model_spec.model
-    _cp_degrees._fit_model(model, args.seq_len, len(model.layers))
+    _harness.fit_model(model, args.seq_len, len(model.layers))
     return config
 
 
 def _one_rank(args, side: str, save) -> None:
-    import _cp_degrees
-    import _cp_step
+    import _harness
     import host_syncs as hs
     import torch
     from _vision_modes import with_vision_share
@@ -266,10 +265,10 @@ def _one_rank(args, side: str, save) -> None:
         hs._instrument(trainer, recorder)  # phases only; records under recording()
 
         def batch(images: int, tokens: int):
-            return _cp_degrees.synthetic_batch(trainer, args.seq_len, images, tokens)
+            return _harness.synthetic_batch(trainer, args.seq_len, images, tokens)
 
         def step(batch) -> float:  # ms of train_step; the batch checked before
-            return _cp_step.train_step(trainer, with_vision_share(trainer, batch))
+            return _harness.train_step(trainer, with_vision_share(trainer, batch))
 
         rows = []
         try:
@@ -293,7 +292,7 @@ def _one_rank(args, side: str, save) -> None:
                     with recorder.in_phase(hs.BATCH_GENERATOR):
                         checked = with_vision_share(trainer, row_batch)
                     with recorder.in_phase(hs.REST_OF_STEP):
-                        _cp_step.train_step(trainer, checked)
+                        _harness.train_step(trainer, checked)
                 totals = hs._totals(hs._rows([recorder.counts]), 1).items()
                 row["host_syncs"] = {  # phase -> owner (plug-in, torchtitan, torch)
                     p: {owner: n for owner, (n,) in o.items()} for p, o in totals
@@ -330,7 +329,7 @@ def _planner_job(args):
 
 
 def _real_step(args, save) -> None:
-    import _cp_step
+    import _harness
     from torchtitan.distributed import utils as dist_utils
 
     from torchtitan_ext.tools.estimate import planner
@@ -343,7 +342,7 @@ def _real_step(args, save) -> None:
         hooks = planner._hooks_trainer(simulated)  # on torchtitan's device: cuda
         checked = next(hooks.batch_generator([batch]))  # checked on the CPU
         inputs, labels, kwargs = hooks.post_dataloading_process(
-            *_cp_step.to_device(hooks, checked)
+            *_harness.to_device(hooks, checked)
         )
         (part,) = simulated.model_parts
         part.to_empty(device=hooks.device)  # values do not change memory

@@ -30,7 +30,7 @@ Blind spots, reported as such: the bodies of higher-order ops (flex
 attention forward and backward) run with the modes popped. torch's CP
 block-mask rewrite compiles ``create_block_mask`` with ``fullgraph=True``,
 which cannot trace under a Python mode, so here it runs eagerly (same masks,
-``_cp_step.use_eager_cp_block_masks``) and is instrumented. On the CPU backend
+``_harness.use_eager_cp_block_masks``) and is instrumented. On the CPU backend
 every tensor lives on the host, so Python-level reads count whatever the
 tensor (``.to("cpu")`` is not counted: it cannot be told from
 ``.to(trainer.device)``); with an accelerator only reads of device tensors
@@ -44,14 +44,13 @@ extra arguments are torchtitan flags::
 import argparse
 import collections
 import contextlib
-import json
 import os
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import _cp_step  # benchmarks/, first on sys.path when run as a script
+import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,7 +90,7 @@ _COPY_OPS = {_aten._to_copy.default, _aten.copy_.default}
 _TORCH_WRAPPERS = ("torch/_tensor.py", "torch/functional.py", "torch/overrides.py")
 _TORCH_WRAPPERS += ("torch/utils/_python_dispatch.py", "torch/_ops.py")
 _TORCH_WRAPPERS += ("torch/_dynamo/eval_frame.py", "torch/_compile.py")
-_SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(_cp_step.__file__)}
+_SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(_harness.__file__)}
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -177,8 +176,11 @@ class _Recorder:
             self.phase = previous
 
     def summary(self) -> dict:
+        """Plain data, to travel between processes."""
         return {
-            "counts": dict(self.counts),
+            "counts": [
+                (tuple(asdict(site).values()), n) for site, n in self.counts.items()
+            ],
             "unrecorded": dict(self.unrecorded),
             "ops_seen": dict(self.ops_seen),
         }
@@ -280,7 +282,7 @@ def _instrument(trainer, recorder: _Recorder) -> None:
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _cp_step.add_job_arguments(parser)
+    _harness.add_job_arguments(parser)
     parser.add_argument("--steps", type=int, default=1, help="instrumented steps")
     parser.add_argument(
         "--json", type=Path, default=Path("outputs/benchmarks/host_syncs.json")
@@ -294,11 +296,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
-def _worker(args: argparse.Namespace, extra: list[str]) -> None:
-    trainer = _cp_step.build_trainer(
+def _worker(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict]:
+    """This rank's sync counts, and the job it ran."""
+    trainer = _harness.build_trainer(
         args.config_file,
         [
-            *_cp_step.job_overrides(
+            *_harness.job_overrides(
                 args, args.steps, str(args.json.parent / "host_syncs_run")
             ),
             *extra,
@@ -309,7 +312,7 @@ def _worker(args: argparse.Namespace, extra: list[str]) -> None:
             raise ValueError(f"{args.config_file} does not enable context parallelism")
         recorder = _Recorder(trainer.device)
         _instrument(trainer, recorder)
-        _cp_step.use_eager_cp_block_masks()
+        _harness.use_eager_cp_block_masks()
         loaded = iter(trainer.dataloader)
         for step in range(args.warmup + args.steps):
             raw_batch = next(loaded)
@@ -318,16 +321,12 @@ def _worker(args: argparse.Namespace, extra: list[str]) -> None:
                     stack.enter_context(recording(recorder))
                 with recorder.in_phase(BATCH_GENERATOR):
                     cpu_batch = next(trainer.batch_generator(iter([raw_batch])))
-                batch = _cp_step.to_device(trainer, cpu_batch)
+                batch = _harness.to_device(trainer, cpu_batch)
                 with recorder.in_phase(REST_OF_STEP):
-                    _cp_step.train_step(trainer, batch)
-        per_rank = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(per_rank, recorder.summary())
-        if _cp_step.is_rank0():
-            _report(args, extra, trainer, per_rank)
+                    _harness.train_step(trainer, batch)
+        return recorder.summary(), _harness.job_summary(trainer)
     finally:
         trainer.close()
-        torch.distributed.destroy_process_group()
 
 
 def _rows(per_rank: list[dict[SyncSite, int]]) -> list[dict]:
@@ -365,8 +364,10 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _report(args, extra, trainer, summaries: list[dict]) -> None:
-    per_rank = [summary["counts"] for summary in summaries]
+def _report(args, extra, job: dict, summaries: list[dict]) -> None:
+    per_rank = [
+        {SyncSite(*site): n for site, n in summary["counts"]} for summary in summaries
+    ]
     rows = _rows(per_rank)
     totals = _totals(rows, len(per_rank))
     in_scope = {
@@ -379,12 +380,10 @@ def _report(args, extra, trainer, summaries: list[dict]) -> None:
         ]
         for owner in sorted({r["owner"] for r in rows} | set(OWNERS))
     }
-    config = trainer.config
     print(
-        f"\n{args.config_file}: cp {trainer.parallel_dims.cp}, seq_len "
-        f"{config.training.seq_len}, local batch {config.training.local_batch_size}, "
-        f"{trainer.device.type}; host syncs in {args.steps} instrumented step(s) "
-        f"after {args.warmup} warm-up step(s)"
+        f"\n{args.config_file}: cp {job['cp']}, seq_len {job['seq_len']}, local "
+        f"batch {job['local_batch_size']}, {job['device']}; host syncs in "
+        f"{args.steps} instrumented step(s) after {args.warmup} warm-up step(s)"
     )
     print(_table(rows))
     print(f"\nIn {' + '.join(TARGET_PHASES)} (per rank), by owner:")
@@ -392,31 +391,27 @@ def _report(args, extra, trainer, summaries: list[dict]) -> None:
         print(f"- {owner}: {', '.join(map(str, counts))}")
     for what, calls in summaries[0]["unrecorded"].items():
         print(f"- not instrumented (rank 0): {calls} call(s) of {what}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "args": vars(args) | {"json": str(args.json), "torchtitan_args": extra},
-                "device": trainer.device.type,
-                "cp": trainer.parallel_dims.cp,
-                "seq_len": config.training.seq_len,
-                "ranks": len(per_rank),
-                "target_phases": list(TARGET_PHASES),
-                "in_target_phases_by_owner": in_scope,
-                "totals": totals,
-                "rows": rows,
-                "unrecorded_calls": [s["unrecorded"] for s in summaries],
-                "ops_seen": [s["ops_seen"] for s in summaries],
-            },
-            indent=2,
-        )
-        + "\n"
+    _harness.write_json(
+        args.json,
+        {
+            "args": vars(args) | {"torchtitan_args": extra},
+            **job,
+            "ranks": len(per_rank),
+            "target_phases": list(TARGET_PHASES),
+            "in_target_phases_by_owner": in_scope,
+            "totals": totals,
+            "rows": rows,
+            "unrecorded_calls": [s["unrecorded"] for s in summaries],
+            "ops_seen": [s["ops_seen"] for s in summaries],
+        },
     )
-    print(f"wrote {args.json}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _cp_step.run_on_ranks(__file__, argv, _parse, _worker)
+    args, extra = _parse(argv)
+    results = _harness.on_ranks(_worker, args.nproc, args, extra)
+    _report(args, extra, results[0][1], [summary for summary, _ in results])
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Peak tensor memory per rank of one training step, CP1 vs CP2 vs CP4, by vision mode.
 
-Each CP degree runs under torchrun on gloo ranks with the real stack
-(``_cp_degrees``: the plug-in's ``MuseGlimmerTrainer`` of the registry job
-``muse_glimmer_debugmodel_mm_packed`` at ``--parallelism.context_parallel_degree
-N``), and one ``train_step`` (forward, backward, optimizer) per measurement on
+Each CP degree runs on its own gloo ranks with the real stack
+(``_harness.run_degrees``: the plug-in's ``MuseGlimmerTrainer`` of
+``train_configs/packed.toml`` at ``--parallelism.context_parallel_degree N``),
+and one ``train_step`` (forward, backward, optimizer) per measurement on
 a synthetic row of ``--seq-len`` tokens holding ``--images`` images of
 ``--tokens-per-image`` placeholders each, spread evenly.
 
@@ -43,21 +43,21 @@ filed by phase and region (vision modules ``VISION_MODULE_FQNS`` or decoder):
 
 import argparse
 
-import _cp_degrees  # benchmarks/, first on sys.path when run as a script
+import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
-from _cp_degrees import MIB
+from _harness import MIB
 from _vision_modes import ExchangeBytes, modes_at, set_vision_mode, with_vision_share
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    parser = _cp_degrees.parser(
+    parser = _harness.degree_parser(
         __doc__,
         seq_len=8192,
         cp=[1, 2, 4],
         images=[1, 16, 64],
-        json_name="memory_per_rank.json",
+        json="memory_per_rank.json",
     )
-    args = _cp_degrees.parse(parser, argv)
+    args = _harness.parse_degrees(parser, argv)
     if args.cp[0] != 1:
         parser.error(
             f"--cp must start with 1 (the baseline of the ratios); got {args.cp}"
@@ -155,7 +155,7 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     vision_modules = [getattr(model, fqn) for fqn in VISION_MODULE_FQNS]
     modes = modes_at(trainer, args.vision)
     # One-time allocations (FSDP lazy init, optimizer state) stay out.
-    warm_up = _cp_degrees.synthetic_batch(
+    warm_up = _harness.synthetic_batch(
         trainer, min(args.seq_len, 1024), 1, args.tokens_per_image
     )
     for mode in modes:
@@ -163,7 +163,7 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
         _measure_step(trainer, warm_up, vision_modules)
     rows = []
     for images in args.images:
-        batch = _cp_degrees.synthetic_batch(
+        batch = _harness.synthetic_batch(
             trainer, args.seq_len, images, args.tokens_per_image
         )
         measured = {}
@@ -267,7 +267,7 @@ def _table(rows: list[dict]) -> str:
         *("params+grads+opt MiB", "step peak MiB", "peak RSS MiB"),
     ]
     order = sorted(rows, key=lambda r: (r["images"], r["vision"], r["cp"]))
-    return _cp_degrees.table(columns, map(_cells, order), left=["vision"])
+    return _harness.table(columns, map(_cells, order), left=["vision"])
 
 
 def _exchange_table(rows: list[dict]) -> str:
@@ -287,7 +287,7 @@ def _exchange_table(rows: list[dict]) -> str:
         for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
         if r["cp"] > 1 and "vision_saved_mib" in r
     ]
-    return _cp_degrees.table(columns, cells)
+    return _harness.table(columns, cells)
 
 
 def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
@@ -302,7 +302,7 @@ def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]
 
 
 def main(argv=None) -> None:
-    _cp_degrees.main(__file__, argv, _parse_args, _measure, _report)
+    _harness.run_degrees(_parse_args(argv), _measure, _report)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ``memory_per_rank.py`` measures the debug job's activation bytes per rank on
 real gloo ranks (``outputs/benchmarks/memory_per_rank.json``). This script
-plans the same job (``_cp_degrees``' registry job, CP degree, float32
+plans the same job (``_harness.degree_job``: packed.toml at the CP degree, float32
 parameters, RoPE tables and decoder layers fitted as there) on the same rows
 (``--images`` of ``--tokens-per-image`` placeholders, spread evenly), read from
 that JSON's settings, with ``torchtitan_ext.tools.estimate`` (one forward +
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import _cp_degrees  # benchmarks/, first on sys.path when run as a script
-from _cp_degrees import MIB, REPO
+import _harness  # benchmarks/, first on sys.path when run as a script
+from _harness import MIB, PACKED_JOB, REPO
 
 _COLUMNS = (
     *("CP", "images", "vision"),
@@ -53,9 +53,12 @@ def _plan(settings: argparse.Namespace, cp: int, images: int, vision: str):
     from torchtitan_ext.tools.estimate.cli import plan_job
     from torchtitan_ext.tools.simulated_cluster import load_job
 
-    job_args = _cp_degrees._job_args(settings, cp, dump=str(REPO / "outputs"))
-    config = load_job([*job_args, "--parallelism.context_parallel_vision", vision])
-    _cp_degrees._fit_model(config.model_spec.model, settings.seq_len, settings.layers)
+    job_args = _harness.degree_job(settings, cp, dump=str(REPO / "outputs"))
+    config = load_job(
+        ["--job.config_file", PACKED_JOB, *job_args]
+        + ["--parallelism.context_parallel_vision", vision]
+    )
+    _harness.fit_model(config.model_spec.model, settings.seq_len, settings.layers)
     _, _, estimates = plan_job(
         config,
         images=images,
@@ -146,7 +149,7 @@ def main(argv=None) -> None:
         "largest; activations without the eager attention kernel's scratch "
         "(measured) / flex attention's fake kernel (planned).\n"
     )
-    print(_cp_degrees.table(_COLUMNS, map(_cells, rows), left=["vision"]))
+    print(_harness.table(_COLUMNS, map(_cells, rows), left=["vision"]))
     print(f"\nplanned in {time.perf_counter() - start:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(

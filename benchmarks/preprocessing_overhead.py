@@ -29,19 +29,18 @@ torchtitan flags and win over the job file::
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import _cp_step  # benchmarks/, first on sys.path when run as a script
+import _harness  # benchmarks/, first on sys.path when run as a script
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _cp_step.add_job_arguments(parser)
+    _harness.add_job_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="measured steps")
     parser.add_argument("--pairs", type=int, default=7, help="post-processing pairs")
     parser.add_argument(
@@ -63,10 +62,10 @@ def _timed_ms(trainer, fn, *fn_args) -> tuple[float, float]:
     CPU time leaves out the time other processes held the cores: on a shared
     CPU host it is the steadier measure of work added.
     """
-    _cp_step.barrier()
+    _harness.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
     fn(*fn_args)
-    _cp_step.synchronize(trainer)
+    _harness.synchronize(trainer)
     return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 
@@ -87,7 +86,7 @@ def _measure_step(trainer, batch, cpu_batch, pairs: int) -> dict:
     plugin = lambda b: trainer.post_dataloading_process(*b)  # noqa: E731
     upstream_ms, plugin_ms, added_ms, added_cpu_ms, index_ms = [], [], [], [], []
     for pair in range(pairs):
-        copies = [_cp_step.clone_batch(batch) for _ in range(2)]
+        copies = [_harness.clone_batch(batch) for _ in range(2)]
         first, second = (upstream, plugin) if pair % 2 == 0 else (plugin, upstream)
         times = {
             first: _timed_ms(trainer, first, copies[0]),
@@ -129,7 +128,7 @@ def _measure_step(trainer, batch, cpu_batch, pairs: int) -> dict:
         "added_cpu_ms_pairs": added_cpu_ms,
         "index_ms": statistics.median(index_ms),
         "check_ms": check_ms,
-        "step_ms": _cp_step.train_step(trainer, batch),
+        "step_ms": _harness.train_step(trainer, batch),
     }
 
 
@@ -178,14 +177,15 @@ def _table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _worker(args: argparse.Namespace, extra: list[str]) -> None:
+def _worker(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict]:
+    """This rank's summary, and the job it ran (with the host's load)."""
     import torch
 
     load_at_start = os.getloadavg()
-    trainer = _cp_step.build_trainer(
+    trainer = _harness.build_trainer(
         args.config_file,
         [
-            *_cp_step.job_overrides(
+            *_harness.job_overrides(
                 args, args.steps, str(args.json.parent / "preprocessing_overhead_run")
             ),
             *extra,
@@ -198,30 +198,23 @@ def _worker(args: argparse.Namespace, extra: list[str]) -> None:
         steps = []
         for step in range(args.warmup + args.steps):
             cpu_batch = next(batches)
-            batch = _cp_step.to_device(trainer, cpu_batch)
+            batch = _harness.to_device(trainer, cpu_batch)
             row = _measure_step(trainer, batch, cpu_batch, args.pairs)
             if step >= args.warmup:
                 steps.append(row)
-        summaries = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(
-            summaries, _summary(torch.distributed.get_rank(), steps)
-        )
-        if _cp_step.is_rank0():
-            load = {"start": load_at_start, "end": os.getloadavg()}
-            _report(args, extra, trainer, summaries, load)
+        load = {"start": load_at_start, "end": os.getloadavg()}
+        job = _harness.job_summary(trainer) | {"load_average": load}
+        return _summary(torch.distributed.get_rank(), steps), job
     finally:
         trainer.close()
-        torch.distributed.destroy_process_group()
 
 
-def _report(args, extra, trainer, summaries: list[dict], load: dict) -> None:
-    dims = trainer.parallel_dims
-    config = trainer.config
+def _report(args, extra, job: dict, summaries: list[dict]) -> None:
+    load = job["load_average"]
     print(
-        f"\n{args.config_file}: cp {dims.cp}, seq_len {config.training.seq_len}, "
-        f"local batch {config.training.local_batch_size}, "
-        f"{config.parallelism.context_parallel_load_balancer} balancer, "
-        f"{trainer.device.type}; median over {args.steps} steps "
+        f"\n{args.config_file}: cp {job['cp']}, seq_len {job['seq_len']}, "
+        f"local batch {job['local_batch_size']}, {job['load_balancer']} balancer, "
+        f"{job['device']}; median over {args.steps} steps "
         f"(post-processing: median of {args.pairs} alternated pairs per step); "
         f"images per batch {[s['images'] for s in summaries[0]['steps']]}; "
         f"1-min load average {load['start'][0]:.1f} at start, {load['end'][0]:.1f} "
@@ -235,29 +228,22 @@ def _report(args, extra, trainer, summaries: list[dict], load: dict) -> None:
             f"rank {s['rank']}: added ms over all {args.steps * args.pairs} pairs, "
             f"quartiles: wall {wall}, CPU {cpu}"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "args": vars(args) | {"json": str(args.json), "torchtitan_args": extra},
-                "device": trainer.device.type,
-                "cp": dims.cp,
-                "seq_len": config.training.seq_len,
-                "local_batch_size": config.training.local_batch_size,
-                "load_balancer": config.parallelism.context_parallel_load_balancer,
-                "load_average": load,
-                "cpu_count": os.cpu_count(),
-                "ranks": summaries,
-            },
-            indent=2,
-        )
-        + "\n"
+    _harness.write_json(
+        args.json,
+        {
+            "args": vars(args) | {"torchtitan_args": extra},
+            **job,
+            "cpu_count": os.cpu_count(),
+            "ranks": summaries,
+        },
     )
-    print(f"wrote {args.json}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _cp_step.run_on_ranks(__file__, argv, _parse, _worker)
+    args, extra = _parse(argv)
+    results = _harness.on_ranks(_worker, args.nproc, args, extra)
+    _report(args, extra, results[0][1], [summary for summary, _ in results])
+    return 0
 
 
 if __name__ == "__main__":

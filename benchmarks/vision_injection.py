@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from _pairs import alternating, median_pair_ratio  # benchmarks/, first on sys.path
+from _harness import alternating, median_pair_ratio  # benchmarks/, first on sys.path
 
 from torchtitan_ext import cpu_backend
 

@@ -13,9 +13,9 @@ from torchtitan_ext.muse_glimmer.batch_agreement import (
     BatchAgreement,
     batch_fingerprint,
 )
+from torchtitan_ext.tools.local_ranks import run_on_ranks
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
-from ..distributed import run_on_ranks
 from ..faults import FAULT_ENV, RANK_ENV
 from ..jobs import job_ranks
 from ..training_runs import REPO

@@ -14,7 +14,7 @@ import pytest
 from ..training_runs import REPO
 
 _TINY = ("--seq-len", "256", "--local-batch-size", "1", "--warmup", "0")
-# The synthetic-row scripts (benchmarks/_cp_degrees.py): CP2, 1 and 4 images.
+# The synthetic-row script (benchmarks/_harness.run_degrees): CP2, 1 and 4 images.
 _TINY_ROW = ("--seq-len", "256", "--cp", "2", "--images", "1", "4")
 _TINY_ROW += ("--tokens-per-image", "16", "--pairs", "2")
 
@@ -98,8 +98,8 @@ def _check_mode_times(row: dict, phases: tuple[str, ...]) -> None:
     assert 0 < low <= row["sharded_ratio"] <= high < math.inf
 
 
-def test_vision_time_per_rank_runs(tmp_path):
-    result, stdout = _run(tmp_path, "vision_time_per_rank", tiny=_TINY_ROW)
+def test_vision_time_runs(tmp_path):
+    result, stdout = _run(tmp_path, "vision_time", "--scope", "vision", tiny=_TINY_ROW)
     rows = result["rows"]
     assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
     for row in rows:
@@ -110,8 +110,10 @@ def test_vision_time_per_rank_runs(tmp_path):
     assert "| 2 | 4 | 64 |" in stdout
 
 
-def test_step_time_vision_runs(tmp_path):
-    result, stdout = _run(tmp_path, "step_time_vision", "--warmup", "0", tiny=_TINY_ROW)
+def test_step_time_runs(tmp_path):
+    result, stdout = _run(
+        tmp_path, "vision_time", "--scope", "step", "--warmup", "0", tiny=_TINY_ROW
+    )
     rows = result["rows"]
     assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
     for row in rows:

@@ -15,7 +15,7 @@ CPU's BLAS takes another kernel (other blocking, other rounding)"""
 import pytest
 import torch
 
-from ..distributed import run_on_ranks
+from torchtitan_ext.tools.local_ranks import run_on_ranks
 
 CP = 4
 TIMEOUT_S = 300

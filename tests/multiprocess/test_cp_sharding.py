@@ -10,7 +10,7 @@ with the tokens, so each rank knows exactly which global positions it holds.
 import pytest
 import torch
 
-from tests.distributed import run_on_ranks
+from torchtitan_ext.tools.local_ranks import run_on_ranks
 
 B, L, DIM = 2, 512, 8
 IMAGE = 7

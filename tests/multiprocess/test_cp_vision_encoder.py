@@ -13,7 +13,7 @@ checking refuses and, without it, FlexAttention's P x P mask does.
 import pytest
 import torch
 
-from tests.distributed import run_on_ranks
+from torchtitan_ext.tools.local_ranks import run_on_ranks
 
 CP = 2
 TIMEOUT_S = 300

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_ext.muse_glimmer import exchange_vision_rows, split_images_over_cp
-
-from ..distributed import run_on_ranks
+from torchtitan_ext.tools.local_ranks import run_on_ranks
 
 DIM = 8
 

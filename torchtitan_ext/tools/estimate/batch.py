@@ -1,6 +1,6 @@
 """The planner's synthetic batch: rows of text with evenly spaced images.
 
-The layout is ``benchmarks/memory_per_rank.py``'s (``_cp_degrees.synthetic_batch``),
+The layout is ``benchmarks/memory_per_rank.py``'s (``_harness.synthetic_batch``),
 so the planner and the measurement see the same batch: each row holds
 ``seq_len`` tokens; image ``k``'s placeholders start at ``k * (seq_len //
 images) + 1``; every image is a square grid of patches. Token values do not

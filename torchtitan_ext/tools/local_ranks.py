@@ -1,11 +1,15 @@
-"""Run a test function on N gloo processes on this machine, with a hard timeout.
+"""Run a function on N gloo processes on this machine, with a hard timeout.
 
-``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` fresh (spawned)
-processes, each of which switches torchtitan to the CPU backend, joins one gloo
-process group on 127.0.0.1 and calls ``fn(*args, **kwargs)``. It returns every
-rank's result (rank order), or raises with the failing rank's traceback. If any
-rank has not finished when the timeout expires (a hang in a collective, say),
-every process is killed and ``TimeoutError`` names the ranks still running.
+The one launcher of the tests and the benchmarks. ``run_on_ranks(fn,
+world_size, *args)`` starts ``world_size`` fresh (spawned) processes, each of
+which switches torchtitan to the CPU backend, sets torchrun's environment
+(``MASTER_ADDR``, ``RANK``, ...), joins one gloo process group on 127.0.0.1
+(unless ``init_process_group=False``: a Trainer built in ``fn`` joins its own)
+and calls ``fn(*args, **kwargs)``. It returns every rank's result (rank order),
+or raises with the failing rank's traceback. If any rank has not finished when
+the timeout expires (a hang in a collective, say), every process is killed and
+``TimeoutError`` names the ranks still running. A rank's interpreter teardown
+never runs: once every result is in, the processes are killed.
 
 ``fn`` and its arguments must be picklable (a top-level function of a module);
 results travel back through ``torch.save``, so tensors are fine. They are
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankError", "run_on_ranks"]
+__all__ = ["RankError", "free_port", "run_on_ranks"]
 
 _POLL_S = 0.2
 _GRACE_S = 2.0
@@ -38,7 +42,8 @@ class RankError(RuntimeError):
     """A rank raised, or died without reporting."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -50,6 +55,7 @@ def _entry(
     port: int,
     payload: bytes,
     timeout_s: float,
+    init_process_group: bool,
     results: multiprocessing.Queue,
 ) -> None:
     os.environ.update(
@@ -67,17 +73,19 @@ def _entry(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if init_process_group:
+            dist.init_process_group(
+                "gloo",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
         try:
             fn, args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         buffer = io.BytesIO()
         torch.save(result, buffer)
         results.put((rank, True, buffer.getvalue()))
@@ -100,17 +108,26 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout_s: float = 300.0,
+    init_process_group: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, on gloo ranks."""
     payload = pickle.dumps((fn, args, kwargs))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(
             target=_entry,
-            args=(rank, world_size, port, payload, timeout_s, results),
+            args=(
+                rank,
+                world_size,
+                port,
+                payload,
+                timeout_s,
+                init_process_group,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

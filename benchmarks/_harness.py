@@ -19,6 +19,7 @@ compute in bf16 and CP1 in fp32).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,10 +50,12 @@ __all__ = [
     "degree_parser",
     "exit_worker",
     "fit_model",
-    "job_overrides",
+    "build_job_trainer",
     "job_summary",
     "median_pair_ratio",
     "on_ranks",
+    "phase",
+    "run_job",
     "parse_degrees",
     "run_degrees",
     "synchronize",
@@ -151,17 +154,42 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps")
 
 
-def job_overrides(
-    args: argparse.Namespace, measured_steps: int, dump_folder: str
-) -> list[str]:
-    """torchtitan flags for ``add_job_arguments``' values."""
-    return [
+def build_job_trainer(
+    args: argparse.Namespace, extra: Sequence[str], measured_steps: int, dump: str
+):
+    """The Trainer of ``add_job_arguments``' CP job, ``extra`` flags last."""
+    overrides = [
         *("--training.seq_len", str(args.seq_len)),
         *("--training.local_batch_size", str(args.local_batch_size)),
         *("--dataloader.max_images_per_batch", str(args.max_images_per_batch)),
         *("--training.steps", str(args.warmup + measured_steps)),
-        *("--dump_folder", dump_folder),
+        *("--dump_folder", str(args.json.parent / dump)),
     ]
+    trainer = build_trainer(args.config_file, [*overrides, *extra])
+    if not trainer.parallel_dims.cp_enabled:
+        trainer.close()
+        raise ValueError(f"{args.config_file} does not enable context parallelism")
+    return trainer
+
+
+def run_job(parsed: tuple[argparse.Namespace, list[str]], worker, report) -> int:
+    """A TOML-job script's ``main``: ``worker(args, extra)`` on ``--nproc``
+    ranks returns (this rank's summary, ``job_summary``); ``report(args, extra,
+    job, summaries)`` prints and writes them."""
+    args, extra = parsed
+    results = on_ranks(worker, args.nproc, args, extra)
+    report(args, extra, results[0][1], [summary for summary, _ in results])
+    return 0
+
+
+@contextlib.contextmanager
+def phase(holder, name: str):
+    """``holder.phase`` is ``name`` for the ``with``."""
+    previous, holder.phase = holder.phase, name
+    try:
+        yield
+    finally:
+        holder.phase = previous
 
 
 def job_summary(trainer) -> dict:

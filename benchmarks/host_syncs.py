@@ -167,13 +167,8 @@ class _Recorder:
         self.ops_seen: collections.Counter[str] = collections.Counter()
         self._in_value_read = False
 
-    @contextlib.contextmanager
     def in_phase(self, phase: str):
-        previous, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = previous
+        return _harness.phase(self, phase)
 
     def summary(self) -> dict:
         """Plain data, to travel between processes."""
@@ -298,18 +293,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def _worker(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict]:
     """This rank's sync counts, and the job it ran."""
-    trainer = _harness.build_trainer(
-        args.config_file,
-        [
-            *_harness.job_overrides(
-                args, args.steps, str(args.json.parent / "host_syncs_run")
-            ),
-            *extra,
-        ],
-    )
+    trainer = _harness.build_job_trainer(args, extra, args.steps, "host_syncs_run")
     try:
-        if not trainer.parallel_dims.cp_enabled:
-            raise ValueError(f"{args.config_file} does not enable context parallelism")
         recorder = _Recorder(trainer.device)
         _instrument(trainer, recorder)
         _harness.use_eager_cp_block_masks()
@@ -408,10 +393,7 @@ def _report(args, extra, job: dict, summaries: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = _parse(argv)
-    results = _harness.on_ranks(_worker, args.nproc, args, extra)
-    _report(args, extra, results[0][1], [summary for summary, _ in results])
-    return 0
+    return _harness.run_job(_parse(argv), _worker, _report)
 
 
 if __name__ == "__main__":

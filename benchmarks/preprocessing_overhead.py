@@ -82,6 +82,15 @@ def _measure_step(trainer, batch, cpu_batch, pairs: int) -> dict:
         raise ValueError("a batch without images; the benchmark needs multimodal data")
     image_id = input_dict["special_tokens"]["image_id"]
     merge = trainer.model_config.vision_encoder.downsample_factor
+
+    def on_images(fn, tokens_dict=input_dict):
+        return fn(
+            tokens_dict["input"],
+            tokens_dict["grid_thw"],
+            image_id=image_id,
+            spatial_merge_size=merge,
+        )
+
     upstream = lambda b: Trainer.post_dataloading_process(trainer, *b)  # noqa: E731
     plugin = lambda b: trainer.post_dataloading_process(*b)  # noqa: E731
     upstream_ms, plugin_ms, added_ms, added_cpu_ms, index_ms = [], [], [], [], []
@@ -96,27 +105,9 @@ def _measure_step(trainer, batch, cpu_batch, pairs: int) -> dict:
         plugin_ms.append(times[plugin][0])
         added_ms.append(times[plugin][0] - times[upstream][0])
         added_cpu_ms.append(times[plugin][1] - times[upstream][1])
-        index_ms.append(
-            _timed_ms(
-                trainer,
-                lambda: build_vision_bank_indices(
-                    input_dict["input"],
-                    input_dict["grid_thw"],
-                    image_id=image_id,
-                    spatial_merge_size=merge,
-                ),
-            )[0]
-        )
+        index_ms.append(_timed_ms(trainer, on_images, build_vision_bank_indices)[0])
     cpu_dict, _ = cpu_batch
-    check_ms, _ = _timed_ms(
-        trainer,
-        lambda: check_vision_placeholders(
-            cpu_dict["input"],
-            cpu_dict["grid_thw"],
-            image_id=image_id,
-            spatial_merge_size=merge,
-        ),
-    )
+    check_ms, _ = _timed_ms(trainer, on_images, check_vision_placeholders, cpu_dict)
     return {
         "images": len(cpu_dict["grid_thw"]),
         "image_tokens": int((cpu_dict["input"] == image_id).sum()),
@@ -182,18 +173,10 @@ def _worker(args: argparse.Namespace, extra: list[str]) -> tuple[dict, dict]:
     import torch
 
     load_at_start = os.getloadavg()
-    trainer = _harness.build_trainer(
-        args.config_file,
-        [
-            *_harness.job_overrides(
-                args, args.steps, str(args.json.parent / "preprocessing_overhead_run")
-            ),
-            *extra,
-        ],
+    trainer = _harness.build_job_trainer(
+        args, extra, args.steps, "preprocessing_overhead_run"
     )
     try:
-        if not trainer.parallel_dims.cp_enabled:
-            raise ValueError(f"{args.config_file} does not enable context parallelism")
         batches = trainer.batch_generator(trainer.dataloader)
         steps = []
         for step in range(args.warmup + args.steps):
@@ -240,10 +223,7 @@ def _report(args, extra, job: dict, summaries: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = _parse(argv)
-    results = _harness.on_ranks(_worker, args.nproc, args, extra)
-    _report(args, extra, results[0][1], [summary for summary, _ in results])
-    return 0
+    return _harness.run_job(_parse(argv), _worker, _report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,13 @@ that machine noise hits both alike:
   span);
 - plug-in: ``gather_vision_rows`` (one indexed write of the bank rows, no
   host sync), given the bank indices the Trainer builds before CP sharding;
-  building them is timed on its own (``index_ms``).
+  building them is timed on its own (``index_ms``);
+- plain: the same gather written as autograd differentiates it by itself,
+  ``torch.where(idx >= 0, bank[idx.clamp(min=0)], h)`` (out of place: one
+  ``[tokens, dim]`` temporary and a new output).
+
+Beside the times, each side's peak of the tensor bytes its forward and
+backward allocate (``_live_memory.LiveMemory``), outputs and gradients included.
 
 Projection and norm are identities in both, so only the injection is timed;
 both get a non-leaf copy of the embeddings, as the model's injection does.
@@ -22,13 +28,15 @@ sequence with text between them.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _harness import alternating, median_pair_ratio  # benchmarks/, first on sys.path
+from _harness import MIB, alternating, median_pair_ratio, table  # benchmarks/ first
+from _live_memory import LiveMemory
 
 from torchtitan_ext import cpu_backend
 
@@ -63,17 +71,26 @@ def _batch(seq_len: int, images: int, tokens_per_image: int):
     return tokens_1L, grid_thw_N3
 
 
-def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD):
-    """Run one injection: (forward ms, backward ms, (out, h grad, bank grad))."""
+def plain_gather(h_1LD, bank_TD, bank_indices_1L):
+    """The gather as plain autograd ops: no custom backward, out of place."""
+    rows_1LD = bank_TD[bank_indices_1L.clamp(min=0)]
+    return torch.where((bank_indices_1L >= 0).unsqueeze(-1), rows_1LD, h_1LD)
+
+
+def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD, memory=None):
+    """Run one injection: (forward ms, backward ms, (out, h grad, bank grad)).
+
+    Under ``memory`` (a ``LiveMemory``) its forward and backward are counted."""
     h_1LD = h0_1LD.clone().requires_grad_()
     bank_TD = bank0_TD.clone().requires_grad_()
     # A non-leaf copy to write into, as the embedding output in the model.
     h_in_1LD = h_1LD.clone()
-    start = time.perf_counter()
-    out_1LD = inject(h_in_1LD, bank_TD)
-    forward_end = time.perf_counter()
-    out_1LD.backward(grad_1LD)
-    backward_end = time.perf_counter()
+    with memory or contextlib.nullcontext():
+        start = time.perf_counter()
+        out_1LD = inject(h_in_1LD, bank_TD)
+        forward_end = time.perf_counter()
+        out_1LD.backward(grad_1LD)
+        backward_end = time.perf_counter()
     forward_ms = (forward_end - start) * 1e3
     backward_ms = (backward_end - forward_end) * 1e3
     return forward_ms, backward_ms, (out_1LD, h_1LD.grad, bank_TD.grad)
@@ -100,13 +117,19 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
             h, bank.unsqueeze(0), vision_mask_1L
         ),
         "plugin": lambda h, bank: gather_vision_rows(h, bank, bank_indices_1L),
+        "plain": lambda h, bank: plain_gather(h, bank, bank_indices_1L),
     }
-    upstream_run, plugin_run = (
-        _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD)[2]
-        for inject in sides.values()
-    )
-    if not all(map(torch.equal, upstream_run, plugin_run)):
-        raise AssertionError("the two injections disagree (values or gradients)")
+    peak_bytes = {}
+    runs = {}
+    for name, inject in sides.items():
+        memory = LiveMemory()
+        runs[name] = _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD, memory)[2]
+        peak_bytes[name] = memory.peak_total
+    for name, run in runs.items():
+        if not all(map(torch.equal, runs["upstream"], run)):
+            raise AssertionError(
+                f"{name} disagrees with upstream (values or gradients)"
+            )
     phases = ("forward", "backward", "total")
     times = {name: {phase: [] for phase in phases} for name in sides}
     index_ms = []
@@ -126,34 +149,51 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
         row[f"{name}_ms"] = statistics.median(by_phase["total"])
         row[f"{name}_forward_ms"] = statistics.median(by_phase["forward"])
         row[f"{name}_backward_ms"] = statistics.median(by_phase["backward"])
+        row[f"{name}_peak_bytes"] = peak_bytes[name]
     for phase, key in zip(
         phases, ("speedup_forward", "speedup_backward", "speedup"), strict=True
     ):
         row[key], row[f"{key}_quartiles"] = median_pair_ratio(
             times["upstream"][phase], times["plugin"][phase]
         )
+    row["plain_over_plugin"], row["plain_over_plugin_quartiles"] = median_pair_ratio(
+        times["plain"]["total"], times["plugin"]["total"]
+    )
     row["index_ms"] = statistics.median(index_ms)
     row["repeats"] = repeats
     return row
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [
-        "| dim | images | vision tokens | upstream fwd / bwd ms | plug-in fwd / bwd ms "
-        "| speedup fwd | speedup bwd | speedup fwd+bwd | fwd+bwd quartiles "
-        "| index build ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    columns = [
+        *("dim", "images", "vision tokens"),
+        *(f"{side} fwd / bwd ms" for side in ("upstream", "plug-in", "plain")),
+        *("speedup fwd", "speedup bwd", "speedup fwd+bwd", "quartiles"),
+        *("plain / plug-in", "quartiles", "index build ms"),
+        *(f"{side} peak MiB" for side in ("upstream", "plug-in", "plain")),
     ]
+    cells = []
     for r in rows:
         low, high = r["speedup_quartiles"]
-        lines.append(
-            f"| {r['dim']} | {r['images']} | {r['vision_tokens']} | "
-            f"{r['upstream_forward_ms']:.2f} / {r['upstream_backward_ms']:.2f} | "
-            f"{r['plugin_forward_ms']:.2f} / {r['plugin_backward_ms']:.2f} | "
-            f"{r['speedup_forward']:.2f}x | {r['speedup_backward']:.2f}x | "
-            f"{r['speedup']:.2f}x | {low:.2f}-{high:.2f}x | {r['index_ms']:.2f} |"
+        plain_low, plain_high = r["plain_over_plugin_quartiles"]
+        sides = ("upstream", "plugin", "plain")
+        cells.append(
+            [
+                *(str(r["dim"]), str(r["images"]), str(r["vision_tokens"])),
+                *(
+                    f"{r[f'{s}_forward_ms']:.2f} / {r[f'{s}_backward_ms']:.2f}"
+                    for s in sides
+                ),
+                *(f"{r[k]:.2f}x" for k in ("speedup_forward", "speedup_backward")),
+                f"{r['speedup']:.2f}x",
+                f"{low:.2f}-{high:.2f}x",
+                f"{r['plain_over_plugin']:.2f}x",
+                f"{plain_low:.2f}-{plain_high:.2f}x",
+                f"{r['index_ms']:.2f}",
+                *(f"{r[f'{s}_peak_bytes'] / MIB:.1f}" for s in sides),
+            ]
         )
-    return "\n".join(lines)
+    return table(columns, cells)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -212,18 +212,11 @@ def plant_rows_off_by_one(trainer_module) -> None:
     ``muse_glimmer.trainer``): the first image's placeholders gather its rows
     rotated by one, every other image's are right.
     """
-    build = trainer_module.build_vision_bank_indices
+    from .planted_bugs import patch_bank_indices
 
-    def off_by_one(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
-        indices_BL = build(
-            tokens_BL,
-            grid_thw_N3,
-            image_id=image_id,
-            spatial_merge_size=spatial_merge_size,
-        ).clone()
-        rows = int(grid_thw_N3[0].prod()) // spatial_merge_size**2
+    def off_by_one(indices_BL, tokens_BL, grid_thw_N3, merge) -> None:
+        rows = int(grid_thw_N3[0].prod()) // merge**2
         first = (indices_BL >= 0) & (indices_BL < rows)
         indices_BL[first] = (indices_BL[first] + 1) % rows
-        return indices_BL
 
-    trainer_module.build_vision_bank_indices = off_by_one
+    patch_bank_indices(trainer_module, off_by_one)

@@ -102,6 +102,13 @@ def toml_spec(name: str, options: str = "") -> RunSpec:
     return RunSpec(config_file=str(REPO / "train_configs" / name), options=options)
 
 
+def assert_pair(label: str, pair, moments, note: str = "") -> None:
+    """Print a comparison and its first moments' error; both must pass."""
+    print(f"{label}: {maxima(pair)}, first moments max {moments.max_error:.3e}{note}")
+    assert pair.passed, pair.failures
+    assert moments.passed, moments.failures
+
+
 def output_dir(tmp_path: Path, suite: str) -> Path:
     keep = os.environ.get("TORCHTITAN_EXT_PARITY_OUT")
     return Path(keep) / suite if keep else tmp_path / suite

@@ -12,10 +12,28 @@ import torch
 
 from torchtitan_ext import cpu_backend
 
-__all__ = ["PLANTED_BUGS", "main"]
+__all__ = ["PLANTED_BUGS", "main", "patch_bank_indices"]
 
 # headtail with cp=2 gives rank 0 the chunks 0 and 3 of four, rank 1 chunks 1 and 2.
 _HEADTAIL_CP2_RANK_BOUNDARIES = (1, 3)
+
+
+def patch_bank_indices(module, shift) -> None:
+    """``module.build_vision_bank_indices``, its result then changed in place by
+    ``shift(indices_BL, tokens_BL, grid_thw_N3, spatial_merge_size)``."""
+    build = module.build_vision_bank_indices
+
+    def planted(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
+        indices_BL = build(
+            tokens_BL,
+            grid_thw_N3,
+            image_id=image_id,
+            spatial_merge_size=spatial_merge_size,
+        ).clone()
+        shift(indices_BL, tokens_BL, grid_thw_N3, spatial_merge_size)
+        return indices_BL
+
+    module.build_vision_bank_indices = planted
 
 
 def _rows_off_by_one_at_a_boundary() -> None:
@@ -28,15 +46,7 @@ def _rows_off_by_one_at_a_boundary() -> None:
     """
     from torchtitan_ext.muse_glimmer import trainer
 
-    build = trainer.build_vision_bank_indices
-
-    def off_by_one(tokens_BL, grid_thw_N3, *, image_id, spatial_merge_size):
-        indices_BL = build(
-            tokens_BL,
-            grid_thw_N3,
-            image_id=image_id,
-            spatial_merge_size=spatial_merge_size,
-        ).clone()
+    def off_by_one(indices_BL, tokens_BL, grid_thw_N3, merge) -> None:
         length = tokens_BL.shape[1]
         for row_L in indices_BL:
             for chunk in _HEADTAIL_CP2_RANK_BOUNDARIES:
@@ -50,9 +60,8 @@ def _rows_off_by_one_at_a_boundary() -> None:
                     end += 1
                 first, rows = row_L[start], end - start
                 row_L[boundary:end] = first + (row_L[boundary:end] - first + 1) % rows
-        return indices_BL
 
-    trainer.build_vision_bank_indices = off_by_one
+    patch_bank_indices(trainer, off_by_one)
 
 
 def _shard_bank_indices_contiguously() -> None:

@@ -24,9 +24,9 @@ from ..parity_suites import (
     STEPS,
     TIMEOUT_S,
     UNPACKED,
+    assert_pair,
     assert_passed,
     images_per_batch,
-    maxima,
     run_suite,
     toml_spec,
     upstream_spec,
@@ -42,6 +42,22 @@ CP2_PTRR = (
     "--parallelism.context_parallel_ptrr_mask_key global"
 )
 SHARDED_VISION = "--parallelism.context_parallel_vision sharded"
+
+
+# Unpacked suites: no tight steps; the control bounds every step, and the first
+# moments after step 2 the gradients.
+_UNPACKED_RULES = dict(
+    tight_steps=0, control_factor=1.0, moment_step=2, moment_tol=GRAD_REL_TOL
+)
+
+
+def _grad_accum_control(seq_len: int):
+    """The 1-rank job with its two rows summed in two halves: the same samples."""
+    return toml_spec(
+        "default.toml",
+        f"--training.seq_len {seq_len} --training.local_batch_size 1 "
+        "--training.global_batch_size 2",
+    )
 
 
 def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
@@ -64,21 +80,14 @@ def test_unpacked_one_rank_vs_cp2(tmp_path, seed_checkpoint):
         "unpacked",
         toml_spec("default.toml", UNPACKED),
         {
-            "grad_accum_control": toml_spec(
-                "default.toml",
-                "--training.seq_len 256 --training.local_batch_size 1 "
-                "--training.global_batch_size 2",
-            ),
+            "grad_accum_control": _grad_accum_control(256),
             "cp2_ptrr": ParityCase(
                 toml_spec("default.toml", f"{UNPACKED} {CP2_PTRR}"),
                 control="grad_accum_control",
             ),
         },
         seed_checkpoint=seed_checkpoint,
-        tight_steps=0,
-        control_factor=1.0,
-        moment_step=2,
-        moment_tol=GRAD_REL_TOL,
+        **_UNPACKED_RULES,
     )
     assert_passed(results, drifting_control="grad_accum_control")
     vision = [
@@ -114,11 +123,7 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
         "unpacked_cp4",
         toml_spec("default.toml", UNPACKED_512),
         {
-            "grad_accum_control": toml_spec(
-                "default.toml",
-                "--training.seq_len 512 --training.local_batch_size 1 "
-                "--training.global_batch_size 2",
-            ),
+            "grad_accum_control": _grad_accum_control(512),
             **{
                 name: ParityCase(
                     toml_spec("default.toml", f"{UNPACKED_512} {CP4_PTRR} {mode}"),
@@ -131,10 +136,7 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
             },
         },
         seed_checkpoint=seed_checkpoint,
-        tight_steps=0,
-        control_factor=1.0,
-        moment_step=2,
-        moment_tol=GRAD_REL_TOL,
+        **_UNPACKED_RULES,
     )
     assert_passed(results, drifting_control="grad_accum_control")
     replicated, sharded = (
@@ -161,12 +163,7 @@ def test_unpacked_cp4_sharded_vision_fewer_images_than_ranks(
     moments = compare_first_moments(
         replicated.checkpoint, sharded.checkpoint, tol=GRAD_REL_TOL
     )
-    print(
-        f"unpacked_cp4 replicated vs sharded: {maxima(pair)}, "
-        f"first moments max {moments.max_error:.3e}"
-    )
-    assert pair.passed, pair.failures
-    assert moments.passed, moments.failures
+    assert_pair("unpacked_cp4 replicated vs sharded", pair, moments)
 
 
 @pytest.mark.parametrize(

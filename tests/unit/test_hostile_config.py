@@ -94,12 +94,18 @@ def test_upstream_names_an_explicit_dp_shard_that_does_not_multiply_out():
 # CP degree against the sequence.
 
 
-def test_cp_degree_above_the_sequence_names_the_smallest_valid_length():
+def _cp_degree_error(degree: int):
+    """The packed job at CP ``degree`` on as many ranks, and its start-up error."""
     job = registry.muse_glimmer_debugmodel_mm_packed()
-    job.parallelism.context_parallel_degree = 8
+    job.parallelism.context_parallel_degree = degree
     with pytest.raises(ValueError) as error:
-        check_job_config(job, world_size=8)
-    assert str(error.value) == (
+        check_job_config(job, world_size=degree)
+    return job, str(error.value)
+
+
+def test_cp_degree_above_the_sequence_names_the_smallest_valid_length():
+    _, error = _cp_degree_error(8)
+    assert error == (
         "training.seq_len=512 must be divisible by lcm(2*tp*cp, 128*cp) = "
         "lcm(16, 1024) = 1024 with tensor_parallel_degree=1 and "
         "context_parallel_degree=8; nearest valid values: 1024."
@@ -107,17 +113,14 @@ def test_cp_degree_above_the_sequence_names_the_smallest_valid_length():
 
 
 def test_cp_degree_no_sequence_allows_names_the_largest_degree():
-    job = registry.muse_glimmer_debugmodel_mm_packed()
-    job.parallelism.context_parallel_degree = 64
+    job, error = _cp_degree_error(64)
     message = (
         "context_parallel_degree=64 needs training.seq_len to be a multiple of "
         "lcm(2*tp*cp, 128*cp) = 8192 with tensor_parallel_degree=1, more than the "
         "model's max_seq_len=4096; the largest context_parallel_degree this model "
         "allows is 32."
     )
-    with pytest.raises(ValueError) as error:
-        check_job_config(job, world_size=64)
-    assert str(error.value) == message
+    assert error == message
     with pytest.raises(ValueError) as error:
         _update(job)
     assert str(error.value) == message

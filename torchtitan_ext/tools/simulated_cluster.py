@@ -15,15 +15,25 @@ configs, activation checkpointing, FSDP2's ``fully_shard``) and
 ``pipelining_fn`` (the stage split, ``PipelineStage``, the schedule), called in
 the order and with the arguments of torchtitan 0.3.0's ``Trainer.__init__``.
 
-What is simulated: the process group is torch's ``fake`` backend (with its
-``FakeStore``), which answers every collective at once without moving data, so
-one process can stand for any rank of a world of any size; the parameters are
+What is simulated: the process group is torch's ``fake`` backend, opened as
+torchtitan's ``--comm.mode fake_backend`` opens it (``init_fake_mode``), which
+answers every collective at once without moving data, so one process can stand
+for any rank of a world of any size; the parameters are
 on the meta device (the Trainer's ``to_empty`` and ``init_weights`` are not
 run), so nothing of the model's size is allocated; the meshes are on
 torchtitan's device type, ``cpu`` under ``torchtitan_ext.cpu_backend`` (with
 an accelerator present it is torchtitan's own choice, not tried here). The
 Trainer's tokenizer, dataloader, optimizer and checkpointer are not built:
 they need the job's assets and data, and add nothing to the model's plan.
+
+Why not torchtitan's own dry run: ``--comm.mode fake_backend`` takes the same
+fake process group (world size and rank from ``NGPU`` and ``RANK``) but runs
+the whole ``Trainer``: it materialises and initialises this rank's parameters,
+builds the tokenizer, dataloader, optimizer and checkpointer from the job's
+assets, and trains a step (a 30B_mm rank: GiBs and hours on a CPU).
+``local_tensor`` makes ``torchtitan.train`` return before any Trainer is built.
+Neither stops at a parallelized model on the meta device, which is all this
+tool needs, so it replays ``Trainer.__init__`` up to the model parts.
 
 One rank at a time: a process has one default process group, so
 ``simulated_rank`` owns it for the duration of its ``with`` block (a memory
@@ -109,7 +119,7 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """
     import torch.distributed as dist
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed.utils import init_fake_mode
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -117,7 +127,7 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
             "cluster needs the default group for its fake world"
         )
     _clear_sharding_prop_cache()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    init_fake_mode(world_size, rank=rank)
     try:
         yield
     finally:

@@ -437,91 +437,118 @@ def _run_test(
             f"control {case.control!r} has no comparison to bound the steps "
             f"after {case.tight_steps}"
         )
-
     comparison: Comparison | None = None
-    if not failures and base.scalars is not None and scalars is not None:
-        loss_tol, grad_norm_tol = _step_tolerances(
-            case, control.rows if control else None
-        )
-        comparison = compare(
-            _first_steps(base.scalars, case.steps),
-            scalars,
-            loss_tol=loss_tol,
-            grad_norm_tol=grad_norm_tol,
-            exact=case.exact,
-            expected_steps=case.steps,
-        )
-        failures.extend(comparison.failures)
-        print(f"[parity] baseline vs {name}:\n{format_table(comparison)}", flush=True)
-
     moments: MomentComparison | None = None
-    if comparison is not None and s.moment_step is not None:
-        moments = compare_first_moments(
-            s.checkpoint_path("baseline"),
-            s.checkpoint_path(name),
-            tol=math.inf if case.moment_tol is None else case.moment_tol,
-        )
-        failures.extend(moments.failures)
-        print(
-            f"[parity] {name}: first moments after step {s.moment_step}: max "
-            f"relative error {_fmt(moments.max_error)} over {len(moments.errors)} "
-            f"tensors (bound {_fmt(case.moment_tol)})",
-            flush=True,
-        )
-
-    report_dir = s.out / name
-    report_dir.mkdir(parents=True, exist_ok=True)
+    if not failures and base.scalars is not None and scalars is not None:
+        comparison, moments = _judge(s, base, name, case, control, scalars)
+        failures.extend(comparison.failures)
+        failures.extend(moments.failures if moments else [])
     rows = comparison.rows if comparison else []
-    png_path: Path | None = None
-    if rows:
-        png_path = report_dir / "parity.png"
-        plot(rows, png_path, f"parity: baseline vs {name}, {len(rows)} steps", name)
-
-    passed = comparison is not None and not failures
-    json_path = report_dir / "parity.json"
-    summary = {
-        "name": name,
-        "passed": passed,
-        "failures": failures,
-        **_settings(case),
-        "tags": {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG},
-        "max_dloss": comparison.max_dloss if comparison else None,
-        "max_dgrad_norm": comparison.max_dgrad_norm if comparison else None,
-        "moments": ({"step": s.moment_step, **moments.summary()} if moments else None),
-        "baseline": dataclasses.asdict(base.spec),
-        "test": dataclasses.asdict(case.spec),
-        **_seed_json(s),
-        "keep_mixed_precision": s.keep_mixed_precision,
-        "runs": [_run_record_json(r) for r in runs],
-        "per_step": [dataclasses.asdict(r) for r in rows],
-        # The shared seed and baseline runs count in every test's time.
-        "total_wall_s": base.wall_s + (time.monotonic() - started),
-        "png": str(png_path) if png_path else None,
-    }
-    json_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")
-
-    verdict = "PASSED" if passed else "FAILED"
-    print(
-        f"[parity] {name}: {verdict} ({_describe(case)}); summary: {json_path}",
-        flush=True,
-    )
-    for failure in failures:
-        print(f"[parity]   {failure}", flush=True)
-    return ParityResult(
-        passed=passed,
+    result = ParityResult(
+        passed=comparison is not None and not failures,
         rows=rows,
-        max_dloss=summary["max_dloss"],
-        max_dgrad_norm=summary["max_dgrad_norm"],
+        max_dloss=comparison.max_dloss if comparison else None,
+        max_dgrad_norm=comparison.max_dgrad_norm if comparison else None,
         failures=failures,
         runs=runs,
         output_dir=s.out,
-        json_path=json_path,
-        png_path=png_path,
+        json_path=s.out / name / "parity.json",
+        png_path=s.out / name / "parity.png" if rows else None,
         baseline=base.scalars,
         test=scalars,
         moments=moments,
         checkpoint=s.checkpoint_path(name) if moments else None,
     )
+    _write_test_report(s, base, name, case, result, time.monotonic() - started)
+    return result
+
+
+def _judge(
+    s: _Session,
+    base: _Baseline,
+    name: str,
+    case: ParityCase,
+    control: "ParityResult | None",
+    scalars: RunScalars,
+) -> tuple[Comparison, MomentComparison | None]:
+    """The test's steps against the baseline's, and its first moments."""
+    loss_tol, grad_norm_tol = _step_tolerances(case, control.rows if control else None)
+    comparison = compare(
+        _first_steps(base.scalars, case.steps),
+        scalars,
+        loss_tol=loss_tol,
+        grad_norm_tol=grad_norm_tol,
+        exact=case.exact,
+        expected_steps=case.steps,
+    )
+    print(f"[parity] baseline vs {name}:\n{format_table(comparison)}", flush=True)
+    if s.moment_step is None:
+        return comparison, None
+    moments = compare_first_moments(
+        s.checkpoint_path("baseline"),
+        s.checkpoint_path(name),
+        tol=math.inf if case.moment_tol is None else case.moment_tol,
+    )
+    print(
+        f"[parity] {name}: first moments after step {s.moment_step}: max "
+        f"relative error {_fmt(moments.max_error)} over {len(moments.errors)} "
+        f"tensors (bound {_fmt(case.moment_tol)})",
+        flush=True,
+    )
+    return comparison, moments
+
+
+def _maxima(result: "ParityResult") -> dict[str, float | None]:
+    return {
+        "max_dloss": result.max_dloss,
+        "max_dgrad_norm": result.max_dgrad_norm,
+        "max_moment_error": result.moments.max_error if result.moments else None,
+    }
+
+
+def _write_test_report(
+    s: _Session,
+    base: _Baseline,
+    name: str,
+    case: ParityCase,
+    result: ParityResult,
+    wall_s: float,
+) -> None:
+    """``<out>/<name>/parity.json`` (and ``parity.png``), and the verdict line."""
+    result.json_path.parent.mkdir(parents=True, exist_ok=True)
+    if result.png_path:
+        title = f"parity: baseline vs {name}, {len(result.rows)} steps"
+        plot(result.rows, result.png_path, title, name)
+    summary = {
+        "name": name,
+        "passed": result.passed,
+        "failures": result.failures,
+        **_settings(case),
+        "tags": {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG},
+        **_maxima(result),
+        "moments": (
+            {"step": s.moment_step, **result.moments.summary()}
+            if result.moments
+            else None
+        ),
+        "baseline": dataclasses.asdict(base.spec),
+        "test": dataclasses.asdict(case.spec),
+        **_seed_json(s),
+        "keep_mixed_precision": s.keep_mixed_precision,
+        "runs": [_run_record_json(r) for r in result.runs],
+        "per_step": [dataclasses.asdict(r) for r in result.rows],
+        # The shared seed and baseline runs count in every test's time.
+        "total_wall_s": base.wall_s + wall_s,
+        "png": str(result.png_path) if result.png_path else None,
+    }
+    result.json_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")
+    verdict = "PASSED" if result.passed else "FAILED"
+    print(
+        f"[parity] {name}: {verdict} ({_describe(case)}); summary: {result.json_path}",
+        flush=True,
+    )
+    for failure in result.failures:
+        print(f"[parity]   {failure}", flush=True)
 
 
 def _fmt(v: float | None) -> str:
@@ -614,21 +641,32 @@ def run_parity_suite(
     for name, case in cases.items():
         results[name] = _run_test(s, base, name, case, results.get(case.control))
 
+    _write_suite_summary(s, baseline, base, cases, results, suite_start)
+    return results
+
+
+def _write_suite_summary(
+    s: _Session,
+    baseline: RunSpec,
+    base: _Baseline,
+    cases: dict[str, ParityCase],
+    results: dict[str, ParityResult],
+    suite_start: float,
+) -> None:
+    """``<out>/suite.json`` and a line per test."""
     summary = {
         "passed": all(r.passed for r in results.values()),
-        "steps": steps,
-        "moment_step": moment_step,
+        "steps": s.steps,
+        "moment_step": s.moment_step,
         "baseline": dataclasses.asdict(baseline),
         **_seed_json(s),
-        "keep_mixed_precision": keep_mixed_precision,
+        "keep_mixed_precision": s.keep_mixed_precision,
         "failures": base.failures,
         "runs": [_run_record_json(r) for r in base.runs],
         "tests": {
             name: {
                 "passed": r.passed,
-                "max_dloss": r.max_dloss,
-                "max_dgrad_norm": r.max_dgrad_norm,
-                "max_moment_error": r.moments.max_error if r.moments else None,
+                **_maxima(r),
                 **_settings(cases[name]),
                 "failures": r.failures,
                 "test": dataclasses.asdict(cases[name].spec),
@@ -642,7 +680,6 @@ def run_parity_suite(
     }
     suite_path = s.out / "suite.json"
     suite_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")
-
     n_passed = sum(r.passed for r in results.values())
     print(
         f"[parity] suite: {n_passed}/{len(results)} passed; summary: {suite_path}",
@@ -656,7 +693,6 @@ def run_parity_suite(
             f"max |dgrad_norm| {_fmt(r.max_dgrad_norm)}{moment})",
             flush=True,
         )
-    return results
 
 
 def run_parity(

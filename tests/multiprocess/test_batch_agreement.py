@@ -105,9 +105,10 @@ def test_every_rank_of_the_group_raises_the_same_named_error():
     assert "tokens rank 0: 32, rank 1: 16, rank 2: 32, rank 3: 32" in message
     assert "images rank 0: 3, rank 1: 2, rank 2: 3, rank 3: 3" in message
     # After its first check the group waits comm.train_timeout_seconds (2 s
-    # here), not gloo's default 30 minutes.
+    # here), not the init timeout (60 s) nor gloo's default 30 minutes; the
+    # bound leaves room for a loaded host (4 ranks on 2 busy cores).
     waited_s = [r[2] for r in results[:3]]
-    assert all(s < 2 * COMM.train_timeout_seconds for s in waited_s), waited_s
+    assert all(s < COMM.init_timeout_seconds / 3 for s in waited_s), waited_s
 
 
 def test_fingerprint_sees_one_value_of_any_input():

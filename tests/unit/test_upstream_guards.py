@@ -3,6 +3,7 @@
 import ast
 import difflib
 import inspect
+import textwrap
 import types
 
 import pytest
@@ -12,72 +13,68 @@ from torchtitan.models.muse_glimmer import vision_encoder as upstream_vision_enc
 from torchtitan_ext.muse_glimmer import parallelize as plugin_parallelize
 from torchtitan_ext.muse_glimmer import vision_encoder as plugin_vision_encoder
 
-_FUNCTION = "parallelize_muse_glimmer"
-_CP_REFUSAL = "parallel_dims.cp_enabled"
 
+def test_parallelize_is_upstreams_minus_its_one_cp_refusal():
+    """The plug-in's function is upstream's source less one ``if`` that raises.
 
-def _function_ast(source: str) -> ast.FunctionDef:
-    """The function's syntax tree without its docstring: comments do not count."""
-    tree = ast.parse(source)
-    function = next(
-        node
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef) and node.name == _FUNCTION
-    )
-    if ast.get_docstring(function) is not None:
-        function.body = function.body[1:]
-    return function
-
-
-class _DropCpRefusal(ast.NodeTransformer):
-    """Removes every ``if parallel_dims.cp_enabled: ...`` block, counting them."""
-
-    def __init__(self) -> None:
-        self.dropped = 0
-
-    def visit_If(self, node: ast.If):
-        self.generic_visit(node)
-        if ast.unparse(node.test) == _CP_REFUSAL:
-            assert all(isinstance(stmt, ast.Raise) for stmt in node.body), ast.unparse(
-                node
-            )
-            self.dropped += 1
-            return None
-        return node
-
-
-def test_parallelize_is_upstreams_minus_its_cp_refusal():
-    """Upstream's function minus its CP ``raise`` is ours, statement for statement.
-
-    Fails when torchtitan's ``parallelize_muse_glimmer`` changes in any other
-    way (an upgrade must be merged by hand) or no longer refuses CP (then the
-    replacement can go and upstream's function can be used as it is).
+    ``without_cp_refusal`` raises at import when the installed torchtitan has
+    no such block (then upstream's function can be used as it is) or another
+    ``if`` on CP. Here the refusal is also found and cut by hand, and the two
+    trees must be equal.
     """
-    drop = _DropCpRefusal()
-    upstream = drop.visit(_function_ast(inspect.getsource(upstream_parallelize)))
-    assert drop.dropped == 1, (
-        f"expected one `if {_CP_REFUSAL}: raise ...` in torchtitan's {_FUNCTION}, "
-        f"found {drop.dropped}"
+    source = textwrap.dedent(
+        inspect.getsource(upstream_parallelize.parallelize_muse_glimmer)
     )
-    ours = _function_ast(inspect.getsource(plugin_parallelize))
-    assert ast.dump(ours) == ast.dump(upstream), (
-        f"torchtitan's {_FUNCTION} changed; differences from "
-        "torchtitan_ext/muse_glimmer/parallelize.py:\n"
-        + "\n".join(_diff(ast.unparse(upstream), ast.unparse(ours)))
-    )
+    by_hand = ast.parse(source)
+    found = [
+        (node, statement)
+        for node in ast.walk(by_hand)
+        for statement in getattr(node, "body", [])
+        if isinstance(statement, ast.If)
+        and ast.unparse(statement.test) == plugin_parallelize.CP_REFUSAL
+    ]
+    assert len(found) == 1, found
+    parent, refusal = found[0]
+    assert "context parallel is not supported" in ast.unparse(refusal)
+    parent.body.remove(refusal)
+    rebuilt = plugin_parallelize.DropCpRefusal().visit(ast.parse(source))
+    assert ast.dump(rebuilt) == ast.dump(by_hand)
 
 
-def test_the_guard_sees_a_one_token_change():
-    """Not blind: one changed argument, or the refusal kept, makes the trees differ."""
-    ours = inspect.getsource(plugin_parallelize)
-    planted = ours.replace(
-        "pp_enabled=parallel_dims.pp_enabled,\n                dp_mesh_dims",
-        "pp_enabled=False,\n                dp_mesh_dims",
-    )
-    assert planted != ours
-    assert ast.dump(_function_ast(planted)) != ast.dump(_function_ast(ours))
-    upstream = _function_ast(inspect.getsource(upstream_parallelize))
-    assert ast.dump(upstream) != ast.dump(_function_ast(ours))
+def test_the_rebuilt_function_parallelizes_with_the_plugins_apply_compile():
+    fn = plugin_parallelize.parallelize_muse_glimmer
+    assert fn.__module__ == plugin_parallelize.__name__
+    assert fn.__globals__["apply_compile"] is plugin_parallelize.apply_compile
+    assert fn is not upstream_parallelize.parallelize_muse_glimmer
+
+
+def test_a_second_cp_branch_upstream_stops_the_import():
+    """Not blind: upstream with a second CP branch, or none, is refused."""
+
+    def parallelize(parallel_dims):
+        if parallel_dims.cp_enabled:
+            raise NotImplementedError("no CP")
+        if parallel_dims.cp_enabled:
+            print("CP")
+        return parallel_dims
+
+    with pytest.raises(RuntimeError, match="found 1 .and 1 other"):
+        plugin_parallelize.without_cp_refusal(parallelize)
+
+    def without(parallel_dims):
+        return parallel_dims
+
+    with pytest.raises(RuntimeError, match="found 0"):
+        plugin_parallelize.without_cp_refusal(without)
+    rebuilt = plugin_parallelize.without_cp_refusal(_only_refusal)
+    cp = types.SimpleNamespace(cp_enabled=True)
+    assert rebuilt(cp) is cp  # _only_refusal raises for CP; the rebuilt one not
+
+
+def _only_refusal(parallel_dims):
+    if parallel_dims.cp_enabled:
+        raise NotImplementedError("no CP")
+    return parallel_dims
 
 
 def _diff(expected: str, got: str) -> list[str]:

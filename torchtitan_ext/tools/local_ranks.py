@@ -103,6 +103,16 @@ def _kill(processes: list) -> None:
         process.join(timeout=10)
 
 
+def _dead_ranks(processes: list, reported: set[int]) -> set[int]:
+    """Ranks that ended without reporting (nothing of them left in the queue
+    once seen dead on two polls in a row)."""
+    return {
+        rank
+        for rank, process in enumerate(processes)
+        if rank not in reported and not process.is_alive()
+    }
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -119,15 +129,8 @@ def run_on_ranks(
     processes = [
         context.Process(
             target=_entry,
-            args=(
-                rank,
-                world_size,
-                port,
-                payload,
-                timeout_s,
-                init_process_group,
-                results,
-            ),
+            args=(rank, world_size, port, payload, timeout_s, init_process_group),
+            kwargs={"results": results},
             daemon=True,
         )
         for rank in range(world_size)
@@ -154,15 +157,8 @@ def run_on_ranks(
             try:
                 rank, ok, data = results.get(timeout=_POLL_S)
             except queue.Empty:
-                # Dead on two polls in a row: nothing of it is left in the queue.
-                dead = {
-                    rank
-                    for rank, process in enumerate(processes)
-                    if rank not in outputs
-                    and rank not in failures
-                    and not process.is_alive()
-                }
-                for rank in dead & exited:
+                dead = _dead_ranks(processes, {*outputs, *failures})
+                for rank in dead & exited:  # dead on two polls in a row
                     code = processes[rank].exitcode
                     failures[rank] = f"exited with code {code} without a result"
                     report_at = min(report_at, now + _GRACE_S)

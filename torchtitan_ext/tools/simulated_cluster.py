@@ -159,7 +159,6 @@ def simulated_rank(
     parts live until the block ends.
     """
     import torch
-    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.config.override import apply_overrides
     from torchtitan.distributed import ParallelDims
@@ -194,32 +193,9 @@ def simulated_rank(
             model = model_config.build()
         model.verify_module_protocol()
         loss_fn = config.loss.build(compile_config=config.compile)
-        parallelize_kwargs = dict(
-            parallel_dims=parallel_dims,
-            training=config.training,
-            parallelism=config.parallelism,
-            compile_config=config.compile,
-            ac_config=config.activation_checkpoint,
-            dump_folder=config.dump_folder,
+        schedule, model_parts, has_first, has_last = _parallelized(
+            config, model, parallel_dims, loss_fn
         )
-        if parallel_dims.pp_enabled:
-            schedule, model_parts, has_first, has_last = model_spec.pipelining_fn(
-                model,
-                **parallelize_kwargs,
-                # The Trainer passes its local device; the stages' buffers and
-                # p2p shapes are made on it in the first step, never here.
-                device=torch.device(utils.device_type),
-                model_config=model_config,
-                parallelize_fn=model_spec.parallelize_fn,
-                loss_fn=loss_fn,
-            )
-        else:
-            model = model_spec.parallelize_fn(model, **parallelize_kwargs)
-            schedule, model_parts, has_first, has_last = None, [model], True, True
-        if isinstance(loss_fn, ChunkedLossWrapper) and has_last:
-            # The Trainer's: the chunked loss applies lm_head, the model skips it.
-            loss_fn.set_lm_head(model_parts[-1].lm_head)
-            model_parts[-1]._skip_lm_head = True
         yield SimulatedRank(
             rank=rank,
             config=config,
@@ -230,6 +206,43 @@ def simulated_rank(
             has_first_stage=has_first,
             has_last_stage=has_last,
         )
+
+
+def _parallelized(config, model, parallel_dims, loss_fn):
+    """The Trainer's parallelize or pipelining call: (schedule, model parts,
+    whether this rank has the first and the last stage)."""
+    import torch
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.tools import utils
+
+    model_spec = config.model_spec
+    parallelize_kwargs = dict(
+        parallel_dims=parallel_dims,
+        training=config.training,
+        parallelism=config.parallelism,
+        compile_config=config.compile,
+        ac_config=config.activation_checkpoint,
+        dump_folder=config.dump_folder,
+    )
+    if parallel_dims.pp_enabled:
+        schedule, model_parts, has_first, has_last = model_spec.pipelining_fn(
+            model,
+            **parallelize_kwargs,
+            # The Trainer passes its local device; the stages' buffers and
+            # p2p shapes are made on it in the first step, never here.
+            device=torch.device(utils.device_type),
+            model_config=model_spec.model,
+            parallelize_fn=model_spec.parallelize_fn,
+            loss_fn=loss_fn,
+        )
+    else:
+        model = model_spec.parallelize_fn(model, **parallelize_kwargs)
+        schedule, model_parts, has_first, has_last = None, [model], True, True
+    if isinstance(loss_fn, ChunkedLossWrapper) and has_last:
+        # The Trainer's: the chunked loss applies lm_head, the model skips it.
+        loss_fn.set_lm_head(model_parts[-1].lm_head)
+        model_parts[-1]._skip_lm_head = True
+    return schedule, model_parts, has_first, has_last
 
 
 def _coordinates(parallel_dims) -> dict[str, int]:

@@ -303,6 +303,37 @@ def _vision_modules(model_part) -> list:
     return [module for module in modules if module is not None]
 
 
+def _tracked_step(simulated, train_context, batch, boundary):
+    """One step of the rank's model part under FakeTensorMode and a region
+    tracker: (tracker, live bytes before and after, what a PP stage sends)."""
+    from torchtitan.tools import utils
+
+    (part,) = simulated.model_parts
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, HostValues(fake_mode) as host_values:
+        inputs, labels, kwargs = host_values.fake(batch)
+        part.to_empty(device=torch.device(utils.device_type))
+        part.train()
+        optimizers = simulated.config.optimizer.build(model_parts=[part])
+        _create_optimizer_state(optimizers)
+        tracker = region_tracker(part, optimizers.optimizers, _vision_modules(part))
+        tracker.track_batch((inputs, labels, kwargs))
+        try:
+            with tracker:
+                before = tracker.live_bytes()
+                step_args = (simulated, train_context, tracker, optimizers)
+                step_args += (inputs, labels, kwargs)
+                if simulated.pp_schedule is not None:
+                    sent = _pipeline_step(*step_args, boundary)
+                else:
+                    _train_step(*step_args)
+                    sent = None
+                after = tracker.live_bytes()
+        finally:
+            tracker.remove_hooks()
+    return tracker, before, after, sent
+
+
 def estimate_rank(
     config,
     batch,
@@ -319,7 +350,6 @@ def estimate_rank(
     returns its own.
     """
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.tools import utils
 
     from torchtitan_ext.tools.simulated_cluster import _coordinates
 
@@ -342,28 +372,9 @@ def estimate_rank(
         coordinates = _coordinates(simulated.parallel_dims)
         inputs, labels, kwargs, images_here = _prepared_batch(simulated, batch)
         (part,) = simulated.model_parts
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode, HostValues(fake_mode) as host_values:
-            inputs, labels, kwargs = host_values.fake((inputs, labels, kwargs))
-            part.to_empty(device=torch.device(utils.device_type))
-            part.train()
-            optimizers = config.optimizer.build(model_parts=simulated.model_parts)
-            _create_optimizer_state(optimizers)
-            tracker = region_tracker(part, optimizers.optimizers, _vision_modules(part))
-            tracker.track_batch((inputs, labels, kwargs))
-            try:
-                with tracker:
-                    before = tracker.live_bytes()
-                    step_args = (simulated, train_context, tracker, optimizers)
-                    step_args += (inputs, labels, kwargs)
-                    if pp:
-                        sent = _pipeline_step(*step_args, boundary)
-                    else:
-                        _train_step(*step_args)
-                        sent = None
-                    after = tracker.live_bytes()
-            finally:
-                tracker.remove_hooks()
+        tracker, before, after, sent = _tracked_step(
+            simulated, train_context, (inputs, labels, kwargs), boundary
+        )
         measured_peak, breakdown = tracker.peak_bytes()
         in_flight = (
             microbatches_in_flight(simulated.pp_schedule, coordinates["pp"])

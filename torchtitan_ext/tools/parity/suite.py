@@ -160,6 +160,7 @@ class _Session:
     moment_step: int | None
     # Flags that make a run start from the seed checkpoint; set by _make_seed.
     load_args: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
     def checkpoint_path(self, name: str) -> Path:
         """Where run ``name`` saved its state after ``moment_step``."""
@@ -577,13 +578,12 @@ def run_parity_suite(
 ) -> dict[str, ParityResult]:
     """Compare several tests with one baseline, trained once from one seed.
 
-    The seed checkpoint (one rank, the baseline's job plus ``seed_options``;
-    or, when ``seed_checkpoint`` is a path, that checkpoint's step folder, so
-    that suites of one model share one) and the baseline are made once; then
-    each test trains in ``tests``' order and is compared with the baseline. A
-    value is a ``RunSpec`` (compared with the suite's settings) or a
-    :class:`ParityCase` whose non-``None`` fields override them for that test.
-    Names must match ``[A-Za-z0-9][A-Za-z0-9_.-]*`` and not be ``seed`` or
+    The seed checkpoint (one rank, the baseline's job plus ``seed_options``,
+    or the step folder ``seed_checkpoint`` names, so that suites share one)
+    and the baseline are made once; each test then trains in order and is
+    compared with the baseline. A test is a ``RunSpec`` or a
+    :class:`ParityCase` whose non-``None`` fields override the suite's
+    settings; names match ``[A-Za-z0-9][A-Za-z0-9_.-]*``, not ``seed`` or
     ``baseline``.
 
     Bounds: |dloss| <= ``loss_tol`` and |dgrad_norm| <= ``grad_norm_tol`` at
@@ -597,17 +597,13 @@ def run_parity_suite(
     within ``moment_tol`` of the baseline's, per parameter, relative to its
     largest entry (reported, not judged, when ``moment_tol`` is None).
 
-    ``timeout`` is per run, in seconds; ``launcher`` replaces ``run_train.sh``
-    (same environment and arguments); ``echo`` copies the runs' output to
-    stdout; ``keep_mixed_precision`` keeps the job's parameter dtype instead
-    of float32.
+    ``timeout``: per run (s); ``launcher``: instead of ``run_train.sh``;
+    ``echo``: the runs' output to stdout; ``keep_mixed_precision``: the job's
+    parameter dtype, not float32.
 
-    Layout of ``output_dir``: ``seed/``, ``seed.log``, ``baseline/``,
-    ``baseline.log``; per test ``<name>.log`` and ``<name>/`` (its dump folder,
-    with ``parity.json`` and ``parity.png``); ``suite.json`` lists every
-    test's verdict and maxima. If the seed or baseline fails, no test trains
-    and every result fails with that reason; a failing test does not stop
-    the others. Nothing raises for a failed run: see each result's ``passed``.
+    ``output_dir``: ``seed/``, ``baseline/``, ``<name>/`` (dump, parity.json,
+    parity.png), logs, ``suite.json``. A failed seed or baseline fails every
+    test, a failed test only itself; nothing raises: see ``passed``.
     """
     suite = ParityCase(
         RunSpec(),
@@ -620,11 +616,9 @@ def run_parity_suite(
         control_factor=control_factor,
     )
     cases = _resolve_cases(tests, suite)
-    if moment_step is not None:
-        short = [n for n, c in cases.items() if c.steps < moment_step]
-        if short:
-            raise ValueError(f"tests {short} stop before moment_step={moment_step}")
-    suite_start = time.monotonic()
+    short = [n for n, c in cases.items() if c.steps < (moment_step or 0)]
+    if short:
+        raise ValueError(f"tests {short} stop before moment_step={moment_step}")
     s = _start(
         output_dir=output_dir,
         steps=steps,
@@ -640,8 +634,7 @@ def run_parity_suite(
     results: dict[str, ParityResult] = {}
     for name, case in cases.items():
         results[name] = _run_test(s, base, name, case, results.get(case.control))
-
-    _write_suite_summary(s, baseline, base, cases, results, suite_start)
+    _write_suite_summary(s, baseline, base, cases, results)
     return results
 
 
@@ -651,7 +644,6 @@ def _write_suite_summary(
     base: _Baseline,
     cases: dict[str, ParityCase],
     results: dict[str, ParityResult],
-    suite_start: float,
 ) -> None:
     """``<out>/suite.json`` and a line per test."""
     summary = {
@@ -676,7 +668,7 @@ def _write_suite_summary(
             }
             for name, r in results.items()
         },
-        "total_wall_s": time.monotonic() - suite_start,
+        "total_wall_s": time.monotonic() - s.started,
     }
     suite_path = s.out / "suite.json"
     suite_path.write_text(json.dumps(jsonable(summary), indent=2) + "\n")

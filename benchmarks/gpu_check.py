@@ -229,7 +229,7 @@ def _one_rank_config(args, side: str, dump: str):
     """The side's job, RoPE sized to ``--seq-len`` (``_harness.fit_model``)."""
     import _harness
 
-    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+    from torchtitan_ext.embedded_data import ensure_embedded_assets
     from torchtitan_ext.tools.simulated_cluster import load_job
 
     job = ["--job.config_file", str(REPO / "train_configs/default.toml")]

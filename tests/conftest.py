@@ -8,7 +8,7 @@ from torchtitan_ext import cpu_backend
 
 cpu_backend.apply()
 
-from torchtitan_ext.tools.embedded_data import (  # noqa: E402
+from torchtitan_ext.embedded_data import (  # noqa: E402
     EmbeddedAssets,
     ensure_embedded_assets,
 )

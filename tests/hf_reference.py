@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.hf_datasets.multimodal.utils.image import vision_to_patches
 
-from torchtitan_ext.tools.embedded_data import SPECIAL_TOKENS
+from torchtitan_ext.embedded_data import SPECIAL_TOKENS
 
 __all__ = [
     "BATCHES",

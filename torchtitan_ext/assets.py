@@ -1,6 +1,6 @@
 """Where the generated debug data lives, and where the debug jobs look for it.
 
-The jobs only name these folders; ``python -m torchtitan_ext.tools.embedded_data``
+The jobs only name these folders; ``python -m torchtitan_ext.embedded_data``
 makes them, and so does ``python -m torchtitan_ext.train`` (``run_train.sh``'s
 entry) on first use, for a job that does not point both paths elsewhere.
 """

@@ -41,7 +41,7 @@ def main() -> None:
         sys.exit(2)
 
     if not _names_its_own_data(args):
-        from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+        from torchtitan_ext.embedded_data import ensure_embedded_assets
 
         ensure_embedded_assets()  # quick once made; race-safe across ranks
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from torchtitan_ext.embedded_data import HOSTILE_SEQ_LEN, ensure_embedded_assets
 from torchtitan_ext.muse_glimmer.trainer import SKIPPED_SAMPLES_TAG
-from torchtitan_ext.tools.embedded_data import HOSTILE_SEQ_LEN, ensure_embedded_assets
 
 from ..training_runs import run_train
 from ..unit.test_hostile_data import SKIP, SKIP_REASONS

@@ -17,14 +17,14 @@ from torchtitan.components.tokenizer import MultiModalTokenizer
 from torchtitan.hf_datasets.multimodal.mm_datasets import MMDataLoader
 from torchtitan.models.muse_glimmer.config_registry import MUSE_GLIMMER_SPECIAL_TOKENS
 
+from torchtitan_ext.embedded_data import (
+    EmbeddedDataConfig,
+    ensure_embedded_assets,
+)
 from torchtitan_ext.muse_glimmer.config_registry import (
     muse_glimmer_debugmodel_mm_packed,
 )
 from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
-from torchtitan_ext.tools.embedded_data import (
-    EmbeddedDataConfig,
-    ensure_embedded_assets,
-)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The image decoding:DeprecationWarning",

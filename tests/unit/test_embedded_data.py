@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from torchtitan_ext.tools.embedded_data import (
+from torchtitan_ext.embedded_data import (
     ASSETS_ENV_VAR,
     BACKGROUNDS,
     COLOURS,

@@ -26,10 +26,10 @@ from torchtitan.distributed.pipeline_parallel import (
     _get_pipeline_metadata,
 )
 
+from torchtitan_ext.embedded_data import ensure_embedded_assets
 from torchtitan_ext.muse_glimmer import config_registry as registry
 from torchtitan_ext.muse_glimmer import trainer
 from torchtitan_ext.muse_glimmer.config_checks import check_job_config
-from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
 from ..jobs import train_config
 

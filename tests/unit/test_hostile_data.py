@@ -28,14 +28,7 @@ from torchtitan.models.muse_glimmer.config_registry import (
     _muse_glimmer_mm_dataloader,
 )
 
-from torchtitan_ext.muse_glimmer import (
-    VisionGeometry,
-    check_vision_placeholders,
-    model_registry,
-    post_process_with_vision_bank_indices,
-)
-from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
-from torchtitan_ext.tools.embedded_data import (
+from torchtitan_ext.embedded_data import (
     HOSTILE_SAMPLES,
     HOSTILE_SEQ_LEN,
     EmbeddedDataConfig,
@@ -44,6 +37,13 @@ from torchtitan_ext.tools.embedded_data import (
     render_image,
     sample_spec,
 )
+from torchtitan_ext.muse_glimmer import (
+    VisionGeometry,
+    check_vision_placeholders,
+    model_registry,
+    post_process_with_vision_bank_indices,
+)
+from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
 
 # torchtitan decodes with torchvision.io, which warns once per image.
 pytestmark = pytest.mark.filterwarnings(

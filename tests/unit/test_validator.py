@@ -12,9 +12,9 @@ import torch
 from torchtitan.distributed import ParallelDims
 from torchtitan.hf_datasets.multimodal.mm_datasets import MMDataLoader
 
+from torchtitan_ext.embedded_data import ensure_embedded_assets
 from torchtitan_ext.muse_glimmer import MuseGlimmerTrainer, MuseGlimmerValidator
 from torchtitan_ext.muse_glimmer.config_registry import muse_glimmer_debugmodel_mm
-from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
 
 
 def dataset_with_stray_placeholder(out_dir: Path, key: str = "0002") -> Path:

@@ -33,7 +33,7 @@ __all__ = [
 
 def _embedded_data_paths() -> tuple[str, str]:
     """Tokenizer and dataset folders of the generated data (made by the launcher
-    on first use, or by ``python -m torchtitan_ext.tools.embedded_data``)."""
+    on first use, or by ``python -m torchtitan_ext.embedded_data``)."""
     root = default_root()
     return str(root / TOKENIZER_FOLDER), str(root / DATASET_FOLDER)
 

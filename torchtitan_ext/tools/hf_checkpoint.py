@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from torchtitan_ext.tools.embedded_data import SPECIAL_TOKENS
+from torchtitan_ext.embedded_data import SPECIAL_TOKENS
 
 __all__ = ["hf_config", "seeded_state_dict", "write_hf_checkpoint"]
 

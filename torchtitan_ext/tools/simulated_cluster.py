@@ -89,7 +89,7 @@ class SimulatedRank:
 
 def load_job(args: list[str]):
     """``config_file.load_job``, with the debug jobs' data made as the launcher does."""
-    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+    from torchtitan_ext.embedded_data import ensure_embedded_assets
 
     ensure_embedded_assets()
     return config_file.load_job(args)

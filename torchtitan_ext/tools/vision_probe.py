@@ -3,7 +3,7 @@
 ``python -m torchtitan_ext.tools.vision_probe --checkpoint DIR [--batches N]``
 
 The embedded captions are a function of the image (count, background, colour,
-shape and quadrant of every object; see ``torchtitan_ext.tools.embedded_data``), so a
+shape and quadrant of every object; see ``torchtitan_ext.embedded_data``), so a
 model that learned the vision path predicts caption tokens much better with
 the sample's own image than with another sample's. The probe loads a model-only
 DCP checkpoint (``--checkpoint.last_save_model_only``, i.e.
@@ -211,7 +211,7 @@ def build_probe_dataloader(job, *, batch_size: int):
             f"batch_size={batch_size} exceeds the job's max_images_per_batch="
             f"{job.dataloader.max_images_per_batch}: the collator would drop samples"
         )
-    from torchtitan_ext.tools.embedded_data import ensure_embedded_assets
+    from torchtitan_ext.embedded_data import ensure_embedded_assets
 
     ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
     tokenizer = job.tokenizer.build(tokenizer_path=job.hf_assets_path)
@@ -342,7 +342,7 @@ def _dataset(batches: int, batch_size: int, heldout_seed: int | None):
     if heldout_seed is None:
         yield None, "embedded"
         return
-    from torchtitan_ext.tools.embedded_data import (
+    from torchtitan_ext.embedded_data import (
         EmbeddedDataConfig,
         ensure_embedded_assets,
     )

@@ -522,7 +522,7 @@ def ensure_embedded_assets(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_ext.tools.embedded_data",
+        prog="python -m torchtitan_ext.embedded_data",
         description=__doc__.split("\n")[0],
     )
     parser.add_argument("--root", type=Path, default=None, help="output directory")

@@ -8,12 +8,10 @@ that machine noise hits both alike:
 - upstream: ``MuseGlimmerModel._inject_vision`` of torchtitan 0.3.0 (placeholder
   spans found with one ``.tolist()`` host sync, then one slice assignment per
   span);
-- plug-in: ``gather_vision_rows`` (one indexed write of the bank rows, no
-  host sync), given the bank indices the Trainer builds before CP sharding;
-  building them is timed on its own (``index_ms``);
-- plain: the same gather written as autograd differentiates it by itself,
-  ``torch.where(idx >= 0, bank[idx.clamp(min=0)], h)`` (out of place: one
-  ``[tokens, dim]`` temporary and a new output).
+- plug-in: ``gather_vision_rows`` (``torch.where(idx >= 0, bank[idx.clamp(0)],
+  h)``: no host sync, autograd's own backward), given the bank indices the
+  Trainer builds before CP sharding; building them is timed on its own
+  (``index_ms``).
 
 Beside the times, each side's peak of the tensor bytes its forward and
 backward allocate (``_live_memory.LiveMemory``), outputs and gradients included.
@@ -71,12 +69,6 @@ def _batch(seq_len: int, images: int, tokens_per_image: int):
     return tokens_1L, grid_thw_N3
 
 
-def plain_gather(h_1LD, bank_TD, bank_indices_1L):
-    """The gather as plain autograd ops: no custom backward, out of place."""
-    rows_1LD = bank_TD[bank_indices_1L.clamp(min=0)]
-    return torch.where((bank_indices_1L >= 0).unsqueeze(-1), rows_1LD, h_1LD)
-
-
 def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD, memory=None):
     """Run one injection: (forward ms, backward ms, (out, h grad, bank grad)).
 
@@ -117,7 +109,6 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
             h, bank.unsqueeze(0), vision_mask_1L
         ),
         "plugin": lambda h, bank: gather_vision_rows(h, bank, bank_indices_1L),
-        "plain": lambda h, bank: plain_gather(h, bank, bank_indices_1L),
     }
     peak_bytes = {}
     runs = {}
@@ -156,9 +147,6 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
         row[key], row[f"{key}_quartiles"] = median_pair_ratio(
             times["upstream"][phase], times["plugin"][phase]
         )
-    row["plain_over_plugin"], row["plain_over_plugin_quartiles"] = median_pair_ratio(
-        times["plain"]["total"], times["plugin"]["total"]
-    )
     row["index_ms"] = statistics.median(index_ms)
     row["repeats"] = repeats
     return row
@@ -167,16 +155,15 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
 def _table(rows: list[dict]) -> str:
     columns = [
         *("dim", "images", "vision tokens"),
-        *(f"{side} fwd / bwd ms" for side in ("upstream", "plug-in", "plain")),
+        *(f"{side} fwd / bwd ms" for side in ("upstream", "plug-in")),
         *("speedup fwd", "speedup bwd", "speedup fwd+bwd", "quartiles"),
-        *("plain / plug-in", "quartiles", "index build ms"),
-        *(f"{side} peak MiB" for side in ("upstream", "plug-in", "plain")),
+        "index build ms",
+        *(f"{side} peak MiB" for side in ("upstream", "plug-in")),
     ]
     cells = []
     for r in rows:
         low, high = r["speedup_quartiles"]
-        plain_low, plain_high = r["plain_over_plugin_quartiles"]
-        sides = ("upstream", "plugin", "plain")
+        sides = ("upstream", "plugin")
         cells.append(
             [
                 *(str(r["dim"]), str(r["images"]), str(r["vision_tokens"])),
@@ -187,8 +174,6 @@ def _table(rows: list[dict]) -> str:
                 *(f"{r[k]:.2f}x" for k in ("speedup_forward", "speedup_backward")),
                 f"{r['speedup']:.2f}x",
                 f"{low:.2f}-{high:.2f}x",
-                f"{r['plain_over_plugin']:.2f}x",
-                f"{plain_low:.2f}-{plain_high:.2f}x",
                 f"{r['index_ms']:.2f}",
                 *(f"{r[f'{s}_peak_bytes'] / MIB:.1f}" for s in sides),
             ]

@@ -8,8 +8,6 @@ plausibly ship; ``PLANTED_BUGS`` names them.
 
 import os
 
-import torch
-
 from torchtitan_ext import cpu_backend
 
 __all__ = ["PLANTED_BUGS", "main", "patch_bank_indices"]
@@ -98,20 +96,23 @@ def _all_gather_vision_kv_over_cp() -> None:
     sharding._vision_inner_attention_sharding = decoder_layout
 
 
-def _keep_bank_gradient_of_rows_held_elsewhere() -> None:
-    """Bank rows no token on this rank gathers still get a (sink) gradient."""
+def _average_bank_gradient_over_cp() -> None:
+    """The bank's gradient divided by the CP degree, as if each CP rank's were
+    a replica's to average: each covers only its own tokens' rows, so the sum
+    FSDP takes over (dp_shard, cp) is already the whole gradient."""
+    import torch.distributed as dist
+
     from torchtitan_ext.muse_glimmer import model
 
-    def backward(ctx, grad_BLD):
-        target_T, _held_elsewhere_T, last_is_vision = ctx.saved_tensors
-        grad_ND = grad_BLD.reshape(-1, grad_BLD.shape[-1])
-        grad_bank_TD = grad_ND.index_select(0, target_T)
-        grad_h_ND = grad_ND.index_fill(0, target_T, 0)
-        zero = grad_ND.new_zeros(())
-        torch.where(last_is_vision, zero, grad_ND[-1], out=grad_h_ND[-1])
-        return grad_h_ND.view_as(grad_BLD), grad_bank_TD, None
+    gather = model.gather_vision_rows
 
-    model._WriteVisionRows.backward = staticmethod(backward)
+    def averaged(h_BLD, vision_bank_TD, vision_bank_indices_BL):
+        if vision_bank_TD.requires_grad:
+            cp = dist.get_world_size()  # the CP2 job: one CP group of all ranks
+            vision_bank_TD.register_hook(lambda grad: grad / cp)
+        return gather(h_BLD, vision_bank_TD, vision_bank_indices_BL)
+
+    model.gather_vision_rows = averaged
 
 
 def _keep_local_rows_in_exchange_backward() -> None:
@@ -144,7 +145,7 @@ PLANTED_BUGS = {
     "image_rows_off_by_one_at_a_shard_boundary": _rows_off_by_one_at_a_boundary,
     "bank_indices_sharded_contiguously": _shard_bank_indices_contiguously,
     "vision_kv_all_gathered_over_cp": _all_gather_vision_kv_over_cp,
-    "bank_gradient_of_rows_held_elsewhere": _keep_bank_gradient_of_rows_held_elsewhere,
+    "bank_gradient_averaged_over_cp": _average_bank_gradient_over_cp,
     "exchange_backward_keeps_local_rows": _keep_local_rows_in_exchange_backward,
 }
 

@@ -198,5 +198,5 @@ def test_vision_injection_runs(tmp_path):
     rows = result["rows"]
     assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 4), (4, 16)]
     for r in rows:
-        assert all(r[f"{side}_ms"] > 0 for side in ("upstream", "plugin", "plain"))
-        assert r["plugin_peak_bytes"] < r["plain_peak_bytes"]
+        assert all(r[f"{side}_ms"] > 0 for side in ("upstream", "plugin"))
+        assert all(r[f"{side}_peak_bytes"] > 0 for side in ("upstream", "plugin"))

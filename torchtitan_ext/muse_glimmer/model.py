@@ -28,68 +28,15 @@ from .vision_bank import CpVisionShare
 __all__ = ["MuseGlimmerModel", "exchange_vision_rows", "gather_vision_rows"]
 
 
-@spmd.register_local_autograd_function
-class _WriteVisionRows(torch.autograd.Function):
-    """Write every bank row into ``h`` in place: O(bank rows x dim), no host sync.
-
-    Each bank row has one target, so the write's size is the bank's shape: the
-    flat position of its placeholder on this rank or, for a row no token here
-    gathers (held by another CP rank, a blank image's), the last position, which
-    is restored after the writes, so the result never depends on their order.
-    Gradients are upstream's slice writes': zero for ``h`` at placeholders (one
-    copy of the gradient, as for one span), the placeholder's gradient for its
-    bank row, and zero for the rows not held here.
-    """
-
-    @staticmethod
-    def forward(ctx, h_BLD, vision_bank_TD, vision_bank_indices_BL):
-        T, D = vision_bank_TD.shape
-        h_ND = h_BLD.view(-1, D)
-        indices_N = vision_bank_indices_BL.reshape(-1)
-        N = indices_N.shape[0]
-        device = indices_N.device
-        # remainder() sends every text token's -1 to the spare slot T, which is dropped.
-        position_T1 = torch.full((T + 1,), N, dtype=torch.long, device=device)
-        position_T1.scatter_(
-            0, indices_N.remainder(T + 1), torch.arange(N, device=device)
-        )
-        target_T = position_T1[:T].clamp(max=N - 1)
-        last_is_vision = indices_N[-1] >= 0
-        # A text token's -1 reads the bank's last row, which where() discards.
-        last_row_D = vision_bank_TD[indices_N[-1:].clamp(min=0)][0]  # no .item()
-        last_D = torch.where(last_is_vision, last_row_D, h_ND[-1])
-        h_ND.index_copy_(0, target_T, vision_bank_TD)
-        h_ND[-1] = last_D
-        ctx.mark_dirty(h_BLD)
-        ctx.save_for_backward(target_T, position_T1[:T] == N, last_is_vision)
-        return h_BLD
-
-    @staticmethod
-    def backward(ctx, grad_BLD):
-        target_T, elsewhere_T, last_is_vision = ctx.saved_tensors
-        D = grad_BLD.shape[-1]
-        grad_ND = grad_BLD.reshape(-1, D)
-        grad_h_BLD = grad_bank_TD = None
-        if ctx.needs_input_grad[1]:
-            grad_bank_TD = grad_ND.index_select(0, target_T)
-            grad_bank_TD.masked_fill_(elsewhere_T.unsqueeze(-1), 0)
-        if ctx.needs_input_grad[0]:
-            grad_h_ND = grad_ND.index_fill(0, target_T, 0)
-            # The rows held elsewhere cleared the last position too: restore it.
-            zero = grad_ND.new_zeros(())
-            torch.where(last_is_vision, zero, grad_ND[-1], out=grad_h_ND[-1])
-            grad_h_BLD = grad_h_ND.view_as(grad_BLD)
-        return grad_h_BLD, grad_bank_TD, None
-
-
 def _gather_vision_rows_local(
     h_BLD: torch.Tensor,
     vision_bank_TD: torch.Tensor,
     vision_bank_indices_BL: torch.Tensor,
 ) -> torch.Tensor:
-    return _WriteVisionRows.apply(
-        h_BLD, vision_bank_TD.to(h_BLD.dtype), vision_bank_indices_BL
-    )
+    # A text token's -1 reads bank row 0, which where() discards (and whose
+    # gradient it zeroes): no host sync, autograd's own backward.
+    rows_BLD = vision_bank_TD.to(h_BLD.dtype)[vision_bank_indices_BL.clamp(min=0)]
+    return torch.where((vision_bank_indices_BL >= 0).unsqueeze(-1), rows_BLD, h_BLD)
 
 
 _gather_vision_rows_typed = spmd.local_map(
@@ -102,14 +49,15 @@ def gather_vision_rows(
     vision_bank_TD: torch.Tensor,
     vision_bank_indices_BL: torch.Tensor,
 ) -> torch.Tensor:
-    """Write the vision-bank rows of image placeholders into ``h`` and return it.
+    """``h`` with the vision-bank rows of image placeholders in their places.
 
-    In place, as upstream's ``_inject_vision`` (so ``h`` is not a leaf that
-    requires grad), but by index: no host sync, no loop over spans, writes
-    proportional to the bank, on whatever (CP-permuted) slice of the sequence
-    this rank holds. The bank is replicated across CP and each rank's gradient
-    covers only the rows it wrote: a partial sum on cp that FSDP's reduction
-    over (dp_shard, cp) completes.
+    By index, not by span as upstream's ``_inject_vision``: no host sync, no
+    loop over spans, on whatever (CP-permuted) slice of the sequence this rank
+    holds. Out of place: one ``[tokens, dim]`` temporary beside the output,
+    which ``benchmarks/vision_injection.py`` weighs against an in-place custom
+    write (README: the step saves nothing by it). The bank is replicated
+    across CP and each rank's gradient covers only the rows its tokens read: a
+    partial sum on cp that FSDP's reduction over (dp_shard, cp) completes.
     """
     if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
         return _gather_vision_rows_typed(h_BLD, vision_bank_TD, vision_bank_indices_BL)

@@ -20,6 +20,6 @@ def train_config(name: str, *overrides: str):
     )
 
 
-def job_ranks(name: str, *overrides: str) -> int:
+def toml_ranks(name: str, *overrides: str) -> int:
     """The ranks ``train_configs/<name>`` with ``overrides`` runs on."""
     return config_file.job_ranks(train_config(name, *overrides))

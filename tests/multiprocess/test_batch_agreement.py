@@ -17,7 +17,7 @@ from torchtitan_ext.tools.local_ranks import run_on_ranks
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
 from ..faults import FAULT_ENV, RANK_ENV
-from ..jobs import job_ranks
+from ..jobs import toml_ranks
 from ..training_runs import REPO
 
 TIMEOUT_S = 180  # a hang would run to it; the jobs end within a minute
@@ -155,7 +155,7 @@ def _stamp(line: str) -> datetime:
 def test_a_rank_that_drops_a_sample_stops_the_job_on_every_rank(tmp_path, job):
     """Every rank raises the same error naming the divergent batch, within 60 s."""
     toml, options, failing_step = DIVERGING_JOBS[job]
-    ngpu = job_ranks(toml, *options)
+    ngpu = toml_ranks(toml, *options)
     record = launch_run(
         job,
         {

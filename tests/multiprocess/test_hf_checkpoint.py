@@ -38,7 +38,7 @@ from torchtitan_ext.tools.hf_checkpoint import (
 )
 
 from ..hf_reference import BATCHES, caption_loss, hf_logits, make_batch, relative_error
-from ..jobs import job_ranks
+from ..jobs import toml_ranks
 from ..parity_suites import STEPS
 from ..training_runs import REPO
 from ..unit.test_transformers_reference import LOGIT_REL_TOL, LOSS_TOL
@@ -109,7 +109,7 @@ def _run_worker(checkpoints, job: str) -> dict:
         options.append("--export")
     command = [
         *(sys.executable, "-m", "torch.distributed.run"),
-        *("--nproc_per_node", str(job_ranks(toml)), "--rdzv_backend", "c10d"),
+        *("--nproc_per_node", str(toml_ranks(toml)), "--rdzv_backend", "c10d"),
         *("--rdzv_endpoint", "localhost:0", "-m", "tests.hf_load_worker"),
         *("--hf", str(checkpoints["hf"]), "--out", str(out), *options, "--"),
         *("--job.config_file", str(REPO / "train_configs" / toml), *SEQ, *flags),

@@ -43,7 +43,7 @@ from ..compile_report import (
     read_reports,
     summarize,
 )
-from ..jobs import job_ranks
+from ..jobs import toml_ranks
 from ..parity_suites import (
     CP_BOUNDS,
     GRAD_NORM_TOL,
@@ -247,7 +247,7 @@ def test_compiled_has_no_graph_break_nor_recompile_after_step_2(
     by_rank = read_reports(compile_reports / name)
     print(f"packed/{name}:", *summarize(by_rank), sep="\n  ")
     toml, options = COMPILED_JOBS[name]
-    ranks = job_ranks(toml, *options.split())
+    ranks = toml_ranks(toml, *options.split())
     assert sorted(by_rank) == list(range(ranks)), by_rank.keys()
     for rank, report in by_rank.items():
         counts = [sum(len(i["grid_thw"]) for i in s["images"]) for s in report["steps"]]

@@ -1,14 +1,5 @@
-"""The command line of the parity harness: one baseline, one test.
-
-Example::
-
-    python -m torchtitan_ext.tools.parity \\
-        --baseline-config-file train_configs/packed.toml \\
-        --test-config-file train_configs/cp2.toml --steps 10
-
-Write option strings as ``--x-options="..."``: argparse takes a separate
-value that starts with ``--`` for a flag of its own.
-"""
+"""The command line of the parity harness: one baseline, one test (README: "How
+parity is checked" has an example)."""
 
 import argparse
 import sys
@@ -20,158 +11,76 @@ from .suite import run_parity
 
 __all__ = ["build_parser", "main", "specs_from_args"]
 
+_SIDES = {
+    "baseline": "a registry job (module and config) or a TOML job file; ranks "
+    "default to the product of the file's and options' degrees, 1 for a registry job",
+    "test": "an unset module, config or config file is the baseline's",
+}
+_EPILOG = """\
+Write option strings as --test-options="--a 1 --b 2": argparse takes a separate
+value that starts with -- for a flag of its own. --seed-options must agree with
+the runs on anything that shapes the model. --moment-step N saves both runs'
+state after step N and compares every parameter's AdamW first moment, relative
+to each tensor's largest entry (judged only with --moment-tol)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.tools.parity",
-        description=(
-            "Train a baseline and a test configuration from one seed checkpoint "
-            "and compare their per-step loss and grad_norm."
-        ),
+        description="Train a baseline and a test configuration from one seed "
+        "checkpoint and compare their per-step loss and grad_norm.",
+        epilog=_EPILOG,
     )
-    for side in ("baseline", "test"):
-        _add_side(parser.add_argument_group(side), side)
-    _add_run_options(parser)
-    _add_bounds(parser)
+    for side, side_help in _SIDES.items():
+        add = parser.add_argument_group(side, side_help).add_argument
+        add(f"--{side}-module", help="registry module (default: %(default)s)")
+        add(f"--{side}-config", help="registry config function (default: %(default)s)")
+        add(f"--{side}-config-file", help="TOML job file, instead of module/config")
+        add(f"--{side}-options", default="", help="extra trainer flags, one string")
+        add(f"--{side}-ngpu", type=int, help="ranks")
+    add = parser.add_argument
+    add("--steps", type=int, default=10, help="steps (default: 10)")
+    add("--seed-options", default="", help="extra flags for the 1-rank seed run")
+    add("--no-seed-checkpoint", action="store_true", help="each run inits its weights")
+    add("--output-dir", help="new or empty folder (default: outputs/parity/<time>)")
+    add("--keep-mixed-precision", action="store_true", help="keep the job's dtype")
+    add("--timeout", type=float, help="seconds per run (default: none)")
+    add("--quiet", action="store_true", help="do not echo the runs' output")
+    add("--loss-tol", type=float, help="max |dloss| (default: %(default)s)")
+    add("--grad-norm-tol", type=float, help="max |dgrad_norm| (default: %(default)s)")
+    add("--exact", action="store_true", help="fail on any difference at all")
+    add("--moment-step", type=int, help="compare first moments after this step")
+    add("--moment-tol", type=float, help="max first-moment error (default: none)")
+    parser.set_defaults(
+        baseline_module=DEFAULT_MODULE,
+        baseline_config=DEFAULT_CONFIG,
+        loss_tol=DEFAULT_LOSS_TOL,
+        grad_norm_tol=DEFAULT_GRAD_NORM_TOL,
+    )
     return parser
-
-
-def _add_side(group, side: str) -> None:
-    """One side's job: registry function or TOML file, options, ranks."""
-    inherited = "" if side == "baseline" else ", or the baseline's"
-    group.add_argument(
-        f"--{side}-module",
-        default=DEFAULT_MODULE if side == "baseline" else None,
-        help=f"registry module (default: {DEFAULT_MODULE}{inherited})",
-    )
-    group.add_argument(
-        f"--{side}-config",
-        default=DEFAULT_CONFIG if side == "baseline" else None,
-        help=f"registry config function (default: {DEFAULT_CONFIG}{inherited})",
-    )
-    group.add_argument(
-        f"--{side}-config-file",
-        default=None,
-        help="TOML job file (CONFIG_FILE), instead of module/config",
-    )
-    group.add_argument(
-        f"--{side}-options",
-        default="",
-        help=f'extra trainer flags, one string: --{side}-options="--a 1 --b 2"',
-    )
-    group.add_argument(
-        f"--{side}-ngpu",
-        type=int,
-        default=None,
-        help="ranks (default: the product of the config file's and options' "
-        "degrees; 1 for a registry job)",
-    )
-
-
-def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=10, help="steps (default: 10)")
-    parser.add_argument(
-        "--seed-options",
-        default="",
-        help="extra flags for the seed-checkpoint run (baseline's job, 1 rank); "
-        "must agree with the runs on anything that shapes the model",
-    )
-    parser.add_argument(
-        "--no-seed-checkpoint",
-        action="store_true",
-        help="let each run initialise its own weights instead",
-    )
-    parser.add_argument(
-        "--output-dir",
-        default=None,
-        help="new or empty folder for logs and reports "
-        "(default: outputs/parity/<timestamp>)",
-    )
-    parser.add_argument(
-        "--keep-mixed-precision",
-        action="store_true",
-        help="do not force --training.mixed_precision_param float32",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds per run (default: none)"
-    )
-    parser.add_argument(
-        "--quiet", action="store_true", help="do not echo the runs' output"
-    )
-
-
-def _add_bounds(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--loss-tol", type=float, default=DEFAULT_LOSS_TOL, help="max |dloss|"
-    )
-    parser.add_argument(
-        "--grad-norm-tol",
-        type=float,
-        default=DEFAULT_GRAD_NORM_TOL,
-        help="max |dgrad_norm|",
-    )
-    parser.add_argument(
-        "--exact", action="store_true", help="fail on any difference at all"
-    )
-    parser.add_argument(
-        "--moment-step",
-        type=int,
-        default=None,
-        help="save both runs' state after this step and compare every "
-        "parameter's AdamW first moment (default: no comparison)",
-    )
-    parser.add_argument(
-        "--moment-tol",
-        type=float,
-        default=None,
-        help="max first-moment difference relative to each tensor's largest "
-        "entry (default: report only)",
-    )
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[RunSpec, RunSpec]:
     """RunSpecs from parsed args; the test side inherits the baseline's job."""
-    baseline = RunSpec(
-        module=args.baseline_module,
-        config=args.baseline_config,
-        config_file=args.baseline_config_file,
-        options=args.baseline_options,
-        ngpu=args.baseline_ngpu,
-    )
-    job_given = args.test_module or args.test_config or args.test_config_file
-    test = RunSpec(
-        module=args.test_module or baseline.module,
-        config=args.test_config or baseline.config,
-        config_file=args.test_config_file
-        or (None if job_given else baseline.config_file),
-        options=args.test_options,
-        ngpu=args.test_ngpu,
-    )
-    return baseline, test
+    fields = ("module", "config", "config_file", "options", "ngpu")
+    baseline = RunSpec(**{f: getattr(args, f"baseline_{f}") for f in fields})
+    test = {f: getattr(args, f"test_{f}") for f in fields}
+    if not (test["module"] or test["config"] or test["config_file"]):
+        test["config_file"] = baseline.config_file
+    test["module"] = test["module"] or baseline.module
+    test["config"] = test["config"] or baseline.config
+    return baseline, RunSpec(**test)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns 0 on parity, 1 otherwise, 2 on usage errors."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if not k.startswith(tuple(_SIDES))}
+    options["seed_checkpoint"] = not options.pop("no_seed_checkpoint")
+    options["echo"] = not options.pop("quiet")
     try:
-        baseline, test = specs_from_args(args)
-        result = run_parity(
-            baseline,
-            test,
-            steps=args.steps,
-            seed_options=args.seed_options,
-            seed_checkpoint=not args.no_seed_checkpoint,
-            output_dir=args.output_dir,
-            loss_tol=args.loss_tol,
-            grad_norm_tol=args.grad_norm_tol,
-            exact=args.exact,
-            moment_step=args.moment_step,
-            moment_tol=args.moment_tol,
-            keep_mixed_precision=args.keep_mixed_precision,
-            timeout=args.timeout,
-            echo=not args.quiet,
-        )
+        result = run_parity(*specs_from_args(args), **options)
     except ValueError as e:
         parser.error(str(e))
     return 0 if result.passed else 1

@@ -7,21 +7,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = [
-    "DEFAULT_CONFIG",
-    "DEFAULT_MODULE",
-    "REPO_ROOT",
-    "RUN_TRAIN",
-    "RunRecord",
-    "RunSpec",
-    "launch_run",
-    "log_tail",
-]
+__all__ = ["REPO_ROOT", "RUN_TRAIN", "RunRecord", "RunSpec", "launch_run"]
 
 DEFAULT_MODULE = "torchtitan_ext.muse_glimmer"
 DEFAULT_CONFIG = "muse_glimmer_debugmodel_mm"
@@ -31,28 +21,18 @@ RUN_TRAIN = REPO_ROOT / "run_train.sh"
 
 # run_train.sh reads these; a value inherited from the caller's shell would
 # silently change which job runs, or where.
-_LAUNCH_ENV = (
-    "CONFIG_FILE",
-    "TRAIN_FILE",
-    "MODULE",
-    "CONFIG",
-    "NGPU",
-    "NNODES",
-    "NODE_RANK",
-    "RDZV_ENDPOINT",
+_LAUNCH_ENV = frozenset(
+    "CONFIG_FILE TRAIN_FILE MODULE CONFIG NGPU NNODES NODE_RANK RDZV_ENDPOINT".split()
 )
-_LOG_TAIL_LINES = 40
 
 
 @dataclass(kw_only=True, slots=True)
 class RunSpec:
     """One side of a comparison: which job to train, with what, on how many ranks.
 
-    ``config_file`` (a TOML job, passed as ``CONFIG_FILE``) replaces
-    ``module``/``config`` when set. ``options`` are extra trainer flags, one
-    shell-quoted string as in ``loss_compare.py``; ``env`` extra variables
-    for ``run_train.sh`` (e.g. ``TRAIN_FILE``, the entry module). ``ngpu``
-    defaults to the ranks the file's degrees (and ``options``') ask for.
+    ``config_file`` (a TOML job) replaces ``module``/``config``; ``options`` are
+    trainer flags in one shell string, as in ``loss_compare.py``; ``env`` extra
+    ``run_train.sh`` variables; ``ngpu`` defaults to what the job's degrees ask.
     """
 
     module: str = DEFAULT_MODULE
@@ -68,27 +48,21 @@ class RunSpec:
             self.config_file = str(Path(self.config_file).resolve())
             if not Path(self.config_file).is_file():
                 raise ValueError(f"config file not found: {self.config_file}")
-        if self.ngpu is None:
-            self.ngpu = self._job_ranks() if self.config_file else 1
+        if self.ngpu is None and self.config_file:
+            from torchtitan_ext.config_file import job_ranks, load_job
+
+            job = load_job(["--job.config_file", self.config_file, *self.option_args()])
+            self.ngpu = job_ranks(job)
+        self.ngpu = 1 if self.ngpu is None else self.ngpu
         if self.ngpu < 1:
             raise ValueError(f"ngpu must be at least 1, got {self.ngpu}")
-
-    def _job_ranks(self) -> int:
-        from torchtitan_ext.config_file import job_ranks, load_job
-
-        return job_ranks(
-            load_job(["--job.config_file", self.config_file, *self.option_args()])
-        )
 
     def job_env(self, ngpu: int | None = None) -> dict[str, str]:
         """The ``run_train.sh`` variables that select this job."""
         env = {**self.env, "NGPU": str(self.ngpu if ngpu is None else ngpu)}
         if self.config_file:
-            env["CONFIG_FILE"] = self.config_file
-        else:
-            env["MODULE"] = self.module
-            env["CONFIG"] = self.config
-        return env
+            return {**env, "CONFIG_FILE": self.config_file}
+        return {**env, "MODULE": self.module, "CONFIG": self.config}
 
     def option_args(self) -> list[str]:
         return shlex.split(self.options)
@@ -114,18 +88,10 @@ class RunRecord:
 
     def failure(self) -> str:
         """Why the run failed, in one line that names its log."""
+        why = f"failed with exit code {self.returncode}"
         if self.timed_out:
             why = "timed out; its process group was killed"
-        else:
-            why = f"failed with exit code {self.returncode}"
         return f"{self.name} run {why} (log: {self.log_path})"
-
-
-def _command_string(env: dict[str, str], argv: Sequence[str]) -> str:
-    """A copy-pasteable shell line, as loss_compare.py prints them."""
-    return " ".join(
-        [*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv)]
-    )
 
 
 def _pump(src: IO[str], log: IO[str], echo: bool) -> None:
@@ -138,13 +104,12 @@ def _pump(src: IO[str], log: IO[str], echo: bool) -> None:
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     """Stop torchrun and all its ranks: they share the session we gave them."""
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+            proc.wait(timeout=15)
             return
-        try:
-            proc.wait(timeout=wait_s)
+        except ProcessLookupError:
             return
         except subprocess.TimeoutExpired:
             continue
@@ -161,10 +126,12 @@ def launch_run(
 ) -> RunRecord:
     """Run one ``run_train.sh`` command to completion, teeing it to ``log_path``.
 
-    torchrun and its ranks run in a session of their own, so a run past
-    ``timeout`` (a hang) is killed whole and reported as timed out.
+    torchrun and its ranks run in a session of their own, so that a run past
+    ``timeout`` (a hang) is killed whole.
     """
-    command = _command_string(job_env, argv)
+    # A copy-pasteable shell line, as loss_compare.py prints them.
+    assigns = [f"{k}={shlex.quote(v)}" for k, v in job_env.items()]
+    command = " ".join([*assigns, shlex.join(argv)])
     record = RunRecord(
         name=name,
         command=command,
@@ -174,14 +141,13 @@ def launch_run(
     )
     print(f"[parity] {name}: {command}", flush=True)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    env.update(job_env)
     start = time.monotonic()
     with open(log_path, "w") as log:
         log.write(f"# {command}\n")
         log.flush()
         proc = subprocess.Popen(
             argv,
-            env=env,
+            env={**env, **job_env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -189,34 +155,28 @@ def launch_run(
             errors="replace",
             start_new_session=True,
         )
-        assert proc.stdout is not None
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo))
         pump.start()
         try:
             record.returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             record.timed_out = True
-            _kill_group(proc)
-            record.returncode = proc.poll()
-        except BaseException:
-            _kill_group(proc)
-            raise
-        finally:
+        finally:  # timed out, or interrupted: kill the whole run
+            if record.returncode is None:
+                _kill_group(proc)
+                record.returncode = proc.poll()
             pump.join(timeout=30)
     record.wall_s = time.monotonic() - start
-    status = (
-        f"timed out after {timeout:g} s"
-        if record.timed_out
-        else f"exit code {record.returncode}"
-    )
+    status = f"exit code {record.returncode}"
+    if record.timed_out:
+        status = f"timed out after {timeout:g} s"
     print(f"[parity] {name}: {status}, {record.wall_s:.1f} s", flush=True)
     return record
 
 
-def log_tail(path: str, n: int = _LOG_TAIL_LINES) -> str:
+def log_tail(path: str, n: int = 40) -> str:
     """The last ``n`` lines of a run's log, for a failure report."""
     try:
-        lines = Path(path).read_text(errors="replace").splitlines()
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError as e:
         return f"(cannot read {path}: {e})"
-    return "\n".join(lines[-n:])

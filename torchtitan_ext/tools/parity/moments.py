@@ -29,10 +29,8 @@ def _flatten(value, prefix: str, out: dict[str, torch.Tensor]) -> None:
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A DCP checkpoint (any world size) as ``{dotted.key: tensor}`` on one process.
-
-    Not cached: the caller may compare checkpoints it rewrites.
-    """
+    """A DCP checkpoint (any world size) as ``{dotted.key: tensor}``; not cached,
+    as a caller may compare checkpoints it rewrites."""
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "state.pt")
         state = torch.load(Path(tmp) / "state.pt", weights_only=False)
@@ -55,17 +53,16 @@ class MomentComparison:
 
     @property
     def max_error(self) -> float | None:
-        return max(self.errors.values()) if self.errors else None
+        return max(self.errors.values(), default=None)
 
     def summary(self, worst: int = 5) -> dict:
+        errors = self.errors.values()
         ranked = sorted(self.errors.items(), key=lambda item: -item[1])
         return {
             "tol": self.tol,
             "tensors": len(self.errors),
             "max_error": self.max_error,
-            "median_error": statistics.median(self.errors.values())
-            if self.errors
-            else None,
+            "median_error": statistics.median(errors) if errors else None,
             "worst": dict(ranked[:worst]),
             "passed": self.passed,
             "failures": self.failures,
@@ -74,10 +71,10 @@ class MomentComparison:
 
 @functools.lru_cache(maxsize=8)
 def _first_moments(path: Path) -> dict[str, torch.Tensor]:
-    """The first moments of a finished run's checkpoint; a suite's baseline is
-    read once for all its tests."""
-    tensors = checkpoint_tensors(path)
-    return {k: v for k, v in tensors.items() if k.endswith(_FIRST_MOMENT)}
+    """Cached: a suite's baseline is read once for all its tests."""
+    return {
+        k: v for k, v in checkpoint_tensors(path).items() if k.endswith(_FIRST_MOMENT)
+    }
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -100,22 +97,18 @@ def compare_first_moments(
     """
     ref = _first_moments(baseline_checkpoint)
     got = _first_moments(test_checkpoint)
-    keys = sorted(ref)
     failures: list[str] = []
-    if not keys:
+    if not ref:
         failures.append(f"no first moments ({_FIRST_MOMENT}) in {baseline_checkpoint}")
-    missing = sorted(set(keys) - set(got))
-    extra = sorted(k for k in got if k not in ref)
+    missing = sorted(set(ref) - set(got))
+    extra = sorted(set(got) - set(ref))
     if missing or extra:
         failures.append(
             f"first moments differ in keys: only in baseline {missing[:5]}, "
             f"only in test {extra[:5]}"
         )
-    errors = {key: _relative_error(got[key], ref[key]) for key in keys if key in got}
-    over = sorted(
-        ((error, key) for key, error in errors.items() if not error <= tol),
-        reverse=True,
-    )
+    errors = {k: _relative_error(got[k], ref[k]) for k in sorted(ref) if k in got}
+    over = sorted(((e, k) for k, e in errors.items() if not e <= tol), reverse=True)
     for error, key in over[:5]:
         failures.append(f"first moment {key}: relative error {error:.3e} > {tol:.3e}")
     if len(over) > 5:

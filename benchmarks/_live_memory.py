@@ -1,23 +1,20 @@
 """Live tensor memory by training phase and model region, from the dispatcher.
 
-Peak RSS says nothing about *which* tensors were alive, so ``LiveMemory`` is a
-``TorchDispatchMode`` that sees every storage an aten op creates (bytes
-allocated minus freed, freed when the storage dies) and files it under the
-phase and region current at allocation:
+``LiveMemory`` is a ``TorchDispatchMode`` that sees every storage an aten op
+creates (freed when the storage dies) and files it under the phase and region
+current at allocation: the phase the caller sets (``forward``, ...), or
+``backward`` while the autograd engine runs; ``vision`` inside the
+``vision_modules`` (module hooks in forward, the autograd nodes they created in
+backward), else ``decoder``. ``attn_scratch``: what an attention kernel (a
+higher-order operator such as flex attention) allocates and frees before it
+returns: the CPU backend's eager kernel materializes [B, H, Lq, Lk] scores a
+fused GPU kernel never stores. Storages resized in place outside the dispatcher
+(FSDP2's unsharded parameters) are not seen.
 
-- phase: set by the caller (``inputs``, ``forward``, ``optimizer``, ...), and
-  ``backward`` whenever the autograd engine runs;
-- region: ``vision`` inside the modules passed as ``vision_modules``, in
-  forward (module hooks) and in backward (the autograd nodes those modules
-  created), else ``decoder``;
-- ``attn_scratch``: buffers an attention kernel (a higher-order operator such
-  as flex attention) allocates and frees before it returns. Its outputs (out,
-  logsumexp; dq, dk, dv) count as ordinary tensors of their region. The eager
-  dense kernel the CPU backend runs materializes [B, H, Lq, Lk] scores that a
-  fused GPU kernel keeps in registers, so they get a column of their own.
-
-Storages resized in place outside the dispatcher (FSDP2's unsharded
-parameters) are not seen: they are parameters, not activations.
+It is not torch's ``MemTracker`` (which ``tools/estimate/tracker.py`` extends):
+that cannot see inside a higher-order operator's kernel (no scratch column),
+and it files FSDP's all-gather buffers as parameters where this counts them as
+forward allocations (the 3.4 MB decoder gap the README's planner check quotes).
 """
 
 import weakref
@@ -34,7 +31,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveMemory", "graph_nodes"]
+__all__ = ["LiveMemory", "graph_nodes", "storage_bytes"]
 
 
 def _plain_tensors(value) -> Iterable[torch.Tensor]:
@@ -49,13 +46,13 @@ def _plain_tensors(value) -> Iterable[torch.Tensor]:
 
 
 def _storages(value) -> dict[int, torch.UntypedStorage]:
-    storages = {}
-    for tensor in _plain_tensors(value):
-        if tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        storages[storage._cdata] = storage
-    return storages
+    tensors = (t for t in _plain_tensors(value) if t.device.type != "meta")
+    return {s._cdata: s for s in (t.untyped_storage() for t in tensors)}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their shards)."""
+    return sum(storage.nbytes() for storage in _storages(tensors).values())
 
 
 def graph_nodes(outputs, stop: set) -> list:
@@ -72,13 +69,9 @@ def graph_nodes(outputs, stop: set) -> list:
 
 
 class LiveMemory(TorchDispatchMode):
-    """Bytes of live tensor storage per ``phase/region`` category, with peaks.
-
-    ``current[c]`` and ``peak[c]`` are the live and peak bytes of category
-    ``c``; ``peak_total`` is the peak of their sum and ``at_peak`` the
-    categories at that moment. Only storages created while the mode is active
-    count: parameters and optimizer state made before it are the caller's.
-    """
+    """Live (``current``) and peak bytes per ``phase/region`` category;
+    ``peak_total`` is the peak of their sum, ``at_peak`` the categories then.
+    Storages made before the mode (parameters, optimizer state) do not count."""
 
     supports_higher_order_operators = True
 
@@ -128,29 +121,15 @@ class LiveMemory(TorchDispatchMode):
     def _category(self) -> str:
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
-            region = (
-                "vision"
-                if node is not None and id(node) in self._vision_nodes
-                else "decoder"
-            )
-            return f"backward/{region}"
-        region = "vision" if self._vision_depth > 0 else "decoder"
-        return f"{self.phase}/{region}"
-
-    def _add(self, nbytes: int, category: str) -> None:
-        self.current[category] += nbytes
-        self.total += nbytes
-        self.peak[category] = max(self.peak[category], self.current[category])
-        if self.total > self.peak_total:
-            self.peak_total = self.total
-            self.at_peak = {c: b for c, b in self.current.items() if b}
+            vision = node is not None and id(node) in self._vision_nodes
+            return f"backward/{'vision' if vision else 'decoder'}"
+        return f"{self.phase}/{'vision' if self._vision_depth > 0 else 'decoder'}"
 
     def _free(self, key: int) -> None:
-        if key not in self._live:
-            return
-        nbytes, category, _ = self._live.pop(key)
-        self.current[category] -= nbytes
-        self.total -= nbytes
+        if key in self._live:
+            nbytes, category, _ = self._live.pop(key)
+            self.current[category] -= nbytes
+            self.total -= nbytes
 
     def _track(self, storages: dict[int, torch.UntypedStorage], category: str):
         for key, storage in storages.items():
@@ -164,35 +143,34 @@ class LiveMemory(TorchDispatchMode):
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _, key=key: self._free(key))
             self._live[key] = (nbytes, category, ref)
-            self._add(nbytes, category)
-
-    def _retag(self, key: int, category: str) -> None:
-        nbytes, old, ref = self._live[key]
-        self.current[old] -= nbytes
-        self.current[category] += nbytes
-        self.peak[category] = max(self.peak[category], self.current[category])
-        self._live[key] = (nbytes, category, ref)
+            self.current[category] += nbytes
+            self.total += nbytes
+            self.peak[category] = max(self.peak[category], self.current[category])
+            if self.total > self.peak_total:
+                self.peak_total = self.total
+                self.at_peak = {c: b for c, b in self.current.items() if b}
 
     def _run_kernel(self, func, args, kwargs):
-        """Run an attention HOP's eager kernel; what it allocates is scratch
-        until it returns, and then its outputs belong to the caller's region."""
+        """Run an attention HOP's eager kernel: what it allocates is scratch
+        until it returns; then its outputs belong to the caller's region."""
+        kernel = func.py_kernels[DispatchKey.CompositeExplicitAutograd]
         if self._kernel is not None:
-            return func.py_kernels[DispatchKey.CompositeExplicitAutograd](
-                *args, **kwargs
-            )
+            return kernel(*args, **kwargs)
         category = self._category()
         self._kernel = (category, [])
         try:
             with self:
-                out = func.py_kernels[DispatchKey.CompositeExplicitAutograd](
-                    *args, **kwargs
-                )
+                out = kernel(*args, **kwargs)
         finally:
-            _, allocated = self._kernel
+            allocated = set(self._kernel[1])
             self._kernel = None
         for key in _storages(out):
-            if key in self._live and key in set(allocated):
-                self._retag(key, category)
+            if key in self._live and key in allocated:  # re-filed to its region
+                nbytes, old, ref = self._live[key]
+                self.current[old] -= nbytes
+                self.current[category] += nbytes
+                self.peak[category] = max(self.peak[category], self.current[category])
+                self._live[key] = (nbytes, category, ref)
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,41 +1,24 @@
 """Peak tensor memory per rank of one training step, CP1 vs CP2 vs CP4, by vision mode.
 
-Each CP degree runs on its own gloo ranks with the real stack
-(``_harness.run_degrees``: the plug-in's ``MuseGlimmerTrainer`` of
-``train_configs/packed.toml`` at ``--parallelism.context_parallel_degree N``),
-and one ``train_step`` (forward, backward, optimizer) per measurement on
-a synthetic row of ``--seq-len`` tokens holding ``--images`` images of
-``--tokens-per-image`` placeholders each, spread evenly.
+Each CP degree runs on its own gloo ranks (``_harness.run_degrees``: the
+plug-in's Trainer of ``train_configs/packed.toml`` at that CP degree), one
+``train_step`` per measurement on a synthetic row of ``--seq-len`` tokens
+holding ``--images`` images of ``--tokens-per-image`` placeholders, spread
+evenly, in every ``--vision`` mode (``_vision_modes.set_vision_mode`` switches
+the built Trainer); ratios are against CP1 in the same mode (at CP1 the modes
+coincide: measured once). Memory is allocated tensor storage, not RSS
+(``_live_memory.LiveMemory``), by phase and region:
 
-Each launch measures every ``--vision`` mode (``parallelism.context_parallel_vision``:
-``replicated``, every CP rank encodes all images; ``sharded``, each encodes a
-cost-balanced share and the ranks exchange the projected rows), switching the
-built Trainer between them (``_vision_modes.set_vision_mode``: with the
-spmd_types backend and no type checking the two attributes it sets are the
-whole difference). A batch gets its share of the images through the Trainer's
-``batch_generator``, as in training. Rows are per (CP, images, mode), ratios
-against CP1 in the same mode; at CP1 the modes coincide (no share without CP),
-so CP1 is measured once and stands for both.
-
-Memory is *allocated tensor storage*, not RSS: ``_live_memory.LiveMemory``
-(a ``TorchDispatchMode``) counts every storage an op creates until it dies,
-filed by phase and region (vision modules ``VISION_MODULE_FQNS`` or decoder):
-
-- decoder / vision activations: peak live bytes allocated in forward (the
-  activations saved for backward, plus forward temporaries), without the
-  attention kernel's scratch; total: their sum, on the rank where it is largest;
-- attention scratch: the eager dense flex kernel of the CPU backend builds
-  [B, H, Lq, Lk] fp32 score matrices (GiBs at 8192 tokens) that a fused GPU
-  kernel never stores; peak over forward and backward, its own column;
-- step peak: parameters, gradients and optimizer state (this rank's shards)
-  plus the peak of everything the step allocated (scratch included);
-- exchange (sharded): the bytes its collectives move per rank
-  (``_vision_modes.ExchangeBytes``: the forward all-gather's output, the
-  backward float32 reduce-scatter's input, and what a ring sends per rank),
-  beside the vision activation bytes the mode saves per rank. The exchange runs
-  in the model's ``_inject_vision``, outside the vision modules, so its padded
-  block, the gathered blocks and the whole bank count as *decoder* activations
-  (in replicated mode the bank is the vision norm's output: vision).
+- decoder / vision activations: peak live bytes allocated in forward, without
+  the attention kernel's scratch; total: their sum, on the worst rank;
+- attention scratch: the CPU backend's eager flex kernel's [B, H, Lq, Lk] fp32
+  scores, which a fused GPU kernel never stores (forward or backward peak);
+- step peak: this rank's parameters and optimizer state plus the peak of
+  everything the step allocated (scratch included);
+- exchange (sharded): bytes its collectives move per rank
+  (``_vision_modes.ExchangeBytes``), beside the activation bytes the mode
+  saves. The exchange runs outside the vision modules, so its blocks and the
+  bank count as decoder activations (replicated: the bank is vision's output).
 
     python benchmarks/memory_per_rank.py                  # table + JSON
     python benchmarks/memory_per_rank.py --seq-len 512 --cp 1 2 --images 1 4
@@ -69,12 +52,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 
 def _state_bytes(trainer) -> dict[str, int]:
-    def nbytes(tensors) -> int:
-        storages = {}
-        for t in tensors:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            storages[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
-        return sum(storages.values())
+    from _live_memory import storage_bytes
 
     params = [p for m in trainer.model_parts for p in m.parameters()]
     states = [
@@ -85,9 +63,9 @@ def _state_bytes(trainer) -> dict[str, int]:
         if isinstance(v, torch.Tensor) and v.numel() > 1
     ]
     return {
-        "params": nbytes(params),
-        "grads": nbytes([p.grad for p in params if p.grad is not None]),
-        "optimizer": nbytes(states),
+        "params": storage_bytes(params),
+        "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": storage_bytes(states),
     }
 
 
@@ -124,18 +102,16 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
         del trainer.post_dataloading_process, trainer.forward_backward_step
         tracker.remove_hooks()
     peak = dict(tracker.peak)
-    scratch = {
-        region: max(
-            peak.get(f"{phase}/{region}/attn_scratch", 0)
-            for phase in ("forward", "backward")
-        )
-        for region in ("decoder", "vision")
-    }
     return {
         "decoder_activation_bytes": peak.get("forward/decoder", 0),
         "vision_activation_bytes": peak.get("forward/vision", 0),
-        "decoder_attn_scratch_bytes": scratch["decoder"],
-        "vision_attn_scratch_bytes": scratch["vision"],
+        **{
+            f"{region}_attn_scratch_bytes": max(
+                peak.get(f"{phase}/{region}/attn_scratch", 0)
+                for phase in ("forward", "backward")
+            )
+            for region in ("decoder", "vision")
+        },
         "backward_peak_bytes": {
             k: v for k, v in peak.items() if k.startswith("backward/")
         },
@@ -179,25 +155,29 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
 # ---------------------------------------------------------------- driver side
 
 
+# Rank figures reported (in MiB) on the rank where each is largest.
+_MOST = (
+    *("vision_activation", "decoder_attn_scratch", "vision_attn_scratch"),
+    *("peak_rss", "exchange_forward", "exchange_backward", "exchange_wire"),
+)
+
+
 def _row(args, cp: int, rank_rows: list[dict]) -> dict:
     """One (CP, images, mode): each figure on the rank where it is largest."""
 
     def most_mib(value) -> float:
-        return max(value(r) for r in rank_rows) / MIB
+        return max(map(value, rank_rows)) / MIB
 
     worst = max(rank_rows, key=lambda r: r["decoder_activation_bytes"])
+    images, vision = rank_rows[0]["images"], rank_rows[0]["vision"]
     return {
-        "cp": cp,
-        "images": rank_rows[0]["images"],
-        "vision": rank_rows[0]["vision"],
-        "vision_tokens": rank_rows[0]["images"] * args.tokens_per_image,
+        **dict(cp=cp, images=images, vision=vision),
+        "vision_tokens": images * args.tokens_per_image,
         "decoder_activation_mib": worst["decoder_activation_bytes"] / MIB,
-        "vision_activation_mib": most_mib(lambda r: r["vision_activation_bytes"]),
+        **{f"{k}_mib": most_mib(lambda r, k=k: r[f"{k}_bytes"]) for k in _MOST},
         "total_activation_mib": most_mib(
             lambda r: r["decoder_activation_bytes"] + r["vision_activation_bytes"]
         ),
-        "decoder_attn_scratch_mib": most_mib(lambda r: r["decoder_attn_scratch_bytes"]),
-        "vision_attn_scratch_mib": most_mib(lambda r: r["vision_attn_scratch_bytes"]),
         "state_mib": sum(worst["state_bytes"].values()) / MIB,
         "step_peak_mib": most_mib(
             lambda r: (
@@ -206,10 +186,6 @@ def _row(args, cp: int, rank_rows: list[dict]) -> dict:
                 + r["state_bytes"]["optimizer"]
             )
         ),
-        "peak_rss_mib": most_mib(lambda r: r["peak_rss_bytes"]),
-        "exchange_forward_mib": most_mib(lambda r: r["exchange_forward_bytes"]),
-        "exchange_backward_mib": most_mib(lambda r: r["exchange_backward_bytes"]),
-        "exchange_wire_mib": most_mib(lambda r: r["exchange_wire_bytes"]),
         "ranks": rank_rows,
     }
 
@@ -235,12 +211,9 @@ def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
         )
         rep = replicated.get((r["cp"], r["images"]))
         if r["vision"] == "sharded" and rep is not None:
-            r["vision_saved_mib"] = (
-                rep["vision_activation_mib"] - r["vision_activation_mib"]
-            )
-            r["total_saved_mib"] = (
-                rep["total_activation_mib"] - r["total_activation_mib"]
-            )
+            for name in ("vision", "total"):
+                key = f"{name}_activation_mib"
+                r[f"{name}_saved_mib"] = rep[key] - r[key]
     return rows
 
 
@@ -259,7 +232,8 @@ def _cells(r: dict) -> list[str]:
     ]
 
 
-def _table(rows: list[dict]) -> str:
+def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
+    rows = _rows(args, per_cp)
     columns = [
         *("CP", "images", "vision", "vision tokens"),
         *("decoder act. MiB", "vs CP1", "vision act. MiB", "vs CP1"),
@@ -267,38 +241,24 @@ def _table(rows: list[dict]) -> str:
         *("params+grads+opt MiB", "step peak MiB", "peak RSS MiB"),
     ]
     order = sorted(rows, key=lambda r: (r["images"], r["vision"], r["cp"]))
-    return _harness.table(columns, map(_cells, order), left=["vision"])
-
-
-def _exchange_table(rows: list[dict]) -> str:
-    """Sharded mode under CP: what the exchange moves beside what it saves."""
+    text = _harness.table(columns, map(_cells, order), left=["vision"])
+    if "sharded" not in args.vision or "replicated" not in args.vision:
+        return text, rows
+    # Sharded mode under CP: what the exchange moves beside what it saves.
     columns = [
         *("CP", "images", "all-gather out MiB (fwd)"),
         *("reduce-scatter in MiB (bwd, fp32)", "ring MiB sent per rank"),
         *("vision act. saved MiB per rank", "total act. saved MiB per rank"),
     ]
+    mib = ("exchange_forward", "exchange_backward", "exchange_wire")
+    mib += ("vision_saved", "total_saved")
     cells = [
-        (
-            *(str(r["cp"]), str(r["images"])),
-            *(f"{r['exchange_forward_mib']:.2f}", f"{r['exchange_backward_mib']:.2f}"),
-            f"{r['exchange_wire_mib']:.2f}",
-            *(f"{r['vision_saved_mib']:.2f}", f"{r['total_saved_mib']:.2f}"),
-        )
+        [str(r["cp"]), str(r["images"]), *(f"{r[f'{k}_mib']:.2f}" for k in mib)]
         for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
         if r["cp"] > 1 and "vision_saved_mib" in r
     ]
-    return _harness.table(columns, cells)
-
-
-def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
-    rows = _rows(args, per_cp)
-    text = _table(rows)
-    if "sharded" in args.vision and "replicated" in args.vision:
-        text += (
-            "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank"
-        )
-        text += "\n" + _exchange_table(rows)
-    return text, rows
+    text += "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank\n"
+    return text + _harness.table(columns, cells), rows
 
 
 def main(argv=None) -> None:

@@ -1,14 +1,9 @@
 """The memory planner against the measurement: activations per rank, by CP and vision.
 
-``memory_per_rank.py`` measures the debug job's activation bytes per rank on
-real gloo ranks (``outputs/benchmarks/memory_per_rank.json``). This script
-plans the same job (``_harness.degree_job``: packed.toml at the CP degree, float32
-parameters, RoPE tables and decoder layers fitted as there) on the same rows
-(``--images`` of ``--tokens-per-image`` placeholders, spread evenly), read from
-that JSON's settings, with ``torchtitan_ext.tools.estimate`` (one forward +
-backward under FakeTensorMode on the fake process group), and prints both per
-(CP, images, mode), each figure on the rank where it is largest, as
-``memory_per_rank`` reports it, with the planner / measured ratios.
+Plans the job ``memory_per_rank.py`` measured (its JSON's settings: packed.toml
+at each CP degree, fitted as there, the same rows) with
+``torchtitan_ext.tools.estimate`` and prints both per (CP, images, mode), each
+figure on the rank where it is largest, with the planner / measured ratios.
 
     python benchmarks/memory_planner_check.py         # table + JSON
 """
@@ -28,23 +23,31 @@ _COLUMNS = (
     *("vision act. MiB planned", "measured", "ratio"),
     *("params+grads+opt MiB planned", "measured", "ratio"),
 )
+# Each compared figure, from a measured rank (JSON) and from a planned one.
+_MEASURED = {
+    "decoder": lambda r: r["decoder_activation_bytes"],
+    "vision": lambda r: r["vision_activation_bytes"],
+    "state": lambda r: sum(r["state_bytes"].values()),
+}
+_PLANNED = {
+    "decoder": lambda e: e.decoder_activations,
+    "vision": lambda e: e.vision_activations,
+    "state": lambda e: e.parameters + e.gradients + e.optimizer,
+}
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    out = REPO / "outputs" / "benchmarks"
     parser.add_argument(
         "--measured",
         type=Path,
-        default=REPO / "outputs" / "benchmarks" / "memory_per_rank.json",
+        default=out / "memory_per_rank.json",
         help="memory_per_rank.py's JSON; its settings are the planner's",
     )
     parser.add_argument("--cp", type=int, nargs="+", help="default: the JSON's")
     parser.add_argument("--images", type=int, nargs="+", help="default: the JSON's")
-    parser.add_argument(
-        "--json",
-        type=Path,
-        default=REPO / "outputs" / "benchmarks" / "memory_planner_check.json",
-    )
+    parser.add_argument("--json", type=Path, default=out / "memory_planner_check.json")
     return parser.parse_args(argv)
 
 
@@ -59,59 +62,30 @@ def _plan(settings: argparse.Namespace, cp: int, images: int, vision: str):
         + ["--parallelism.context_parallel_vision", vision]
     )
     _harness.fit_model(config.model_spec.model, settings.seq_len, settings.layers)
-    _, _, estimates = plan_job(
-        config,
-        images=images,
-        tokens_per_image=settings.tokens_per_image,
-        world_size=cp,
-    )
-    return estimates
-
-
-def _state(estimate) -> int:
-    return estimate.parameters + estimate.gradients + estimate.optimizer
+    tokens = settings.tokens_per_image
+    return plan_job(config, images=images, tokens_per_image=tokens, world_size=cp)[2]
 
 
 def _compare(measured_row: dict, estimates) -> dict:
     ranks = measured_row["ranks"]
-    measured = {
-        "decoder": max(r["decoder_activation_bytes"] for r in ranks),
-        "vision": max(r["vision_activation_bytes"] for r in ranks),
-        "state": max(sum(r["state_bytes"].values()) for r in ranks),
-    }
-    planned = {
-        "decoder": max(e.decoder_activations for e in estimates),
-        "vision": max(e.vision_activations for e in estimates),
-        "state": max(_state(e) for e in estimates),
-    }
+    measured = {k: max(map(f, ranks)) for k, f in _MEASURED.items()}
+    planned = {k: max(map(f, estimates)) for k, f in _PLANNED.items()}
     return {
         **{k: measured_row[k] for k in ("cp", "images", "vision")},
         "planned_bytes": planned,
         "measured_bytes": measured,
         "ratio": {k: planned[k] / measured[k] for k in planned},
         "planned_per_rank": [
-            {
-                "rank": e.rank,
-                "decoder": e.decoder_activations,
-                "vision": e.vision_activations,
-                "state": _state(e),
-            }
+            {"rank": e.rank, **{k: f(e) for k, f in _PLANNED.items()}}
             for e in estimates
         ],
-        "measured_per_rank": [
-            {
-                "decoder": r["decoder_activation_bytes"],
-                "vision": r["vision_activation_bytes"],
-                "state": sum(r["state_bytes"].values()),
-            }
-            for r in ranks
-        ],
+        "measured_per_rank": [{k: f(r) for k, f in _MEASURED.items()} for r in ranks],
     }
 
 
 def _cells(row: dict) -> list[str]:
     cells = [str(row["cp"]), str(row["images"]), row["vision"]]
-    for kind in ("decoder", "vision", "state"):
+    for kind in _PLANNED:
         cells += [
             f"{row['planned_bytes'][kind] / MIB:.1f}",
             f"{row['measured_bytes'][kind] / MIB:.1f}",
@@ -151,11 +125,7 @@ def main(argv=None) -> None:
     )
     print(_harness.table(_COLUMNS, map(_cells, rows), left=["vision"]))
     print(f"\nplanned in {time.perf_counter() - start:.0f} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"measured": str(args.measured), "rows": rows}, indent=2)
-    )
-    print(f"JSON: {args.json}")
+    _harness.write_json(args.json, {"measured": str(args.measured), "rows": rows})
 
 
 if __name__ == "__main__":

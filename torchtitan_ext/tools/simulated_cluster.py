@@ -2,43 +2,21 @@
 
 ``python -m torchtitan_ext.tools.simulated_cluster --job.config_file
 train_configs/30b_mm_fsdp4_cp4_tp2_sp.toml [--rank R] [--section.key value ...]``
-prints rank R's plan: its mesh coordinates, pipeline stage(s), modules, FSDP
-units and the parameters it holds.
+prints rank R's plan: mesh coordinates, pipeline stage(s), modules, FSDP units
+and the parameters it holds.
 
-What is real: the job's config (registry function, TOML and overrides, as
-``python -m torchtitan_ext.train`` parses them), the plug-in's start-up checks,
-``ParallelDims`` with the job's degrees and world size and its ``build_mesh``
-(every DeviceMesh and process group of the job, this rank's coordinates), the
-model config's ``update_from_config``, the model's modules and parameter
-shapes, and the ModelSpec's ``parallelize_fn`` (TP through the sharding
-configs, activation checkpointing, FSDP2's ``fully_shard``) and
-``pipelining_fn`` (the stage split, ``PipelineStage``, the schedule), called in
-the order and with the arguments of torchtitan 0.3.0's ``Trainer.__init__``.
-
-What is simulated: the process group is torch's ``fake`` backend, opened as
-torchtitan's ``--comm.mode fake_backend`` opens it (``init_fake_mode``), which
-answers every collective at once without moving data, so one process can stand
-for any rank of a world of any size; the parameters are
-on the meta device (the Trainer's ``to_empty`` and ``init_weights`` are not
-run), so nothing of the model's size is allocated; the meshes are on
-torchtitan's device type, ``cpu`` under ``torchtitan_ext.cpu_backend`` (with
-an accelerator present it is torchtitan's own choice, not tried here). The
-Trainer's tokenizer, dataloader, optimizer and checkpointer are not built:
-they need the job's assets and data, and add nothing to the model's plan.
-
-Why not torchtitan's own dry run: ``--comm.mode fake_backend`` takes the same
-fake process group (world size and rank from ``NGPU`` and ``RANK``) but runs
-the whole ``Trainer``: it materialises and initialises this rank's parameters,
-builds the tokenizer, dataloader, optimizer and checkpointer from the job's
-assets, and trains a step (a 30B_mm rank: GiBs and hours on a CPU).
-``local_tensor`` makes ``torchtitan.train`` return before any Trainer is built.
-Neither stops at a parallelized model on the meta device, which is all this
-tool needs, so it replays ``Trainer.__init__`` up to the model parts.
-
-One rank at a time: a process has one default process group, so
-``simulated_rank`` owns it for the duration of its ``with`` block (a memory
-planner runs its fake-tensor step inside the block, where the collectives of
-the parallelized model still have their process groups).
+Real: the job's config (as ``python -m torchtitan_ext.train`` parses it), the
+plug-in's start-up checks, ``ParallelDims`` and its meshes, the model's modules
+and parameter shapes, and the ModelSpec's ``parallelize_fn`` and
+``pipelining_fn``, called as torchtitan 0.3.0's ``Trainer.__init__`` calls them.
+Simulated: the process group is torch's ``fake`` backend (torchtitan's
+``init_fake_mode``), which answers every collective without moving data, so one
+process stands for any rank of any world size; parameters stay on the meta
+device. torchtitan's own ``--comm.mode fake_backend`` would run the whole
+Trainer (materialized parameters, tokenizer, dataloader, checkpointer, a step:
+GiBs and hours for a 30B_mm rank on a CPU), so this replays ``Trainer.__init__``
+up to the model parts. A process has one default process group:
+``simulated_rank`` owns it for its ``with`` block.
 """
 
 from __future__ import annotations
@@ -88,7 +66,7 @@ class SimulatedRank:
 
 
 def load_job(args: list[str]):
-    """``config_file.load_job``, with the debug jobs' data made as the launcher does."""
+    """``config_file.load_job``, the debug jobs' data made as the launcher does."""
     from torchtitan_ext.embedded_data import ensure_embedded_assets
 
     ensure_embedded_assets()
@@ -109,14 +87,10 @@ def job_world_size(config) -> int:
 
 @contextlib.contextmanager
 def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
-    """The default process group of a fake world, as ``rank``.
-
-    DTensor caches sharding propagation by its input specs, which compare
-    meshes by value: a job simulated again in the same process would get
-    DTensors on the previous run's equal (and destroyed) meshes back from the
-    cache, and FSDP, which wants its own mesh object, refuses them. The caches
-    are cleared on the way in and out.
-    """
+    """The default process group of a fake world, as ``rank``. DTensor's
+    sharding cache compares meshes by value: a job simulated again would get
+    DTensors on the previous run's destroyed meshes, which FSDP refuses, so the
+    cache is cleared on the way in and out."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torchtitan.distributed.utils import init_fake_mode
@@ -136,32 +110,16 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _spmd_backend(name: str) -> Iterator[None]:
-    """torchtitan's process-wide SPMD backend (the Trainer sets it), restored after."""
-    from torchtitan.distributed import utils as dist_utils
-
-    previous = dist_utils.get_spmd_backend()
-    dist_utils.set_spmd_backend(name)
-    try:
-        yield
-    finally:
-        dist_utils.set_spmd_backend(previous)
-
-
-@contextlib.contextmanager
 def simulated_rank(
     config, *, rank: int = 0, world_size: int | None = None
 ) -> Iterator[SimulatedRank]:
-    """Rank ``rank`` of ``config`` on a fake world, parallelized as the Trainer does.
-
-    ``config`` is a ``Trainer.Config`` (the plug-in's or torchtitan's own); it is
-    copied, never changed. The fake process group, the meshes and the model
-    parts live until the block ends.
-    """
+    """Rank ``rank`` of ``config`` (a ``Trainer.Config``, copied) on a fake
+    world, parallelized as the Trainer does, for the ``with`` block."""
     import torch
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.config.override import apply_overrides
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils
 
     from torchtitan_ext.muse_glimmer.config_checks import check_job_config
@@ -175,10 +133,10 @@ def simulated_rank(
         # MuseGlimmerTrainer.init_distributed: before any process group.
         check_job_config(config, world_size)
     model_spec = config.model_spec
-    with (
-        _fake_process_group(rank, world_size),
-        _spmd_backend(config.parallelism.spmd_backend),
-    ):
+    with _fake_process_group(rank, world_size), contextlib.ExitStack() as restore:
+        # torchtitan's process-wide SPMD backend, as the Trainer sets it.
+        restore.callback(dist_utils.set_spmd_backend, dist_utils.get_spmd_backend())
+        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
         # Trainer.__init__, in its order, from init_distributed to the model parts.
         parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         parallel_dims.build_mesh()
@@ -193,23 +151,12 @@ def simulated_rank(
             model = model_config.build()
         model.verify_module_protocol()
         loss_fn = config.loss.build(compile_config=config.compile)
-        schedule, model_parts, has_first, has_last = _parallelized(
-            config, model, parallel_dims, loss_fn
-        )
-        yield SimulatedRank(
-            rank=rank,
-            config=config,
-            parallel_dims=parallel_dims,
-            model_parts=model_parts,
-            loss_fn=loss_fn,
-            pp_schedule=schedule,
-            has_first_stage=has_first,
-            has_last_stage=has_last,
-        )
+        parts, *stages = _parallelized(config, model, parallel_dims, loss_fn)
+        yield SimulatedRank(rank, config, parallel_dims, parts, loss_fn, *stages)
 
 
 def _parallelized(config, model, parallel_dims, loss_fn):
-    """The Trainer's parallelize or pipelining call: (schedule, model parts,
+    """The Trainer's parallelize or pipelining call: (model parts, schedule,
     whether this rank has the first and the last stage)."""
     import torch
     from torchtitan.components.loss import ChunkedLossWrapper
@@ -242,7 +189,7 @@ def _parallelized(config, model, parallel_dims, loss_fn):
         # The Trainer's: the chunked loss applies lm_head, the model skips it.
         loss_fn.set_lm_head(model_parts[-1].lm_head)
         model_parts[-1]._skip_lm_head = True
-    return schedule, model_parts, has_first, has_last
+    return model_parts, schedule, has_first, has_last
 
 
 def _coordinates(parallel_dims) -> dict[str, int]:
@@ -300,9 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument(
-        "--world-size", type=int, default=None, help="default: the job's degrees"
-    )
+    parser.add_argument("--world-size", type=int, help="default: the job's degrees")
     own, job_args = parser.parse_known_args(argv)
     try:
         config = load_job(job_args)

@@ -1,13 +1,9 @@
-"""The planner's synthetic batch: rows of text with evenly spaced images.
+"""The planner's synthetic batch: rows of text with evenly spaced square images.
 
-The layout is ``benchmarks/memory_per_rank.py``'s (``_harness.synthetic_batch``),
-so the planner and the measurement see the same batch: each row holds
-``seq_len`` tokens; image ``k``'s placeholders start at ``k * (seq_len //
-images) + 1``; every image is a square grid of patches. Token values do not
-change memory (masks depend on positions, one document per row): they are
-drawn at random below the placeholder id, the vocabulary's last entry, which
-stands in for the tokenizer's ``image_id`` (the 30B_mm job's tokenizer assets
-are not needed). Pixel values are zeros, made fake before the model sees them.
+The layout is ``benchmarks/memory_per_rank.py``'s (``_harness.synthetic_batch``):
+image ``k``'s placeholders start at ``k * (seq_len // images) + 1``. Token
+values do not change memory: they are random below the placeholder id, the
+vocabulary's last entry (no tokenizer assets needed); pixels are zeros.
 """
 
 from __future__ import annotations
@@ -29,14 +25,10 @@ class ImageSize:
     side_patches: int  # patches per side
     patch_size: int  # pixels per patch side
 
-    @property
-    def pixels(self) -> int:
-        return self.side_patches * self.patch_size
-
     def __str__(self) -> str:
-        side = self.side_patches
+        side, pixels = self.side_patches, self.side_patches * self.patch_size
         return (
-            f"{self.pixels}x{self.pixels} px ({side}x{side} patches of "
+            f"{pixels}x{pixels} px ({side}x{side} patches of "
             f"{self.patch_size} px, {self.tokens} tokens)"
         )
 
@@ -44,10 +36,8 @@ class ImageSize:
 def image_size(
     encoder_config, *, seq_len: int, images: int, tokens_per_image: int | None
 ) -> ImageSize:
-    """The image size of a batch: ``tokens_per_image`` (a square), or by default
-    the encoder's native grid (its learned position grid, ``pos_emb_grid_h x
-    pos_emb_grid_w`` patches: 448 px for 30B_mm), shrunk to the largest square
-    that keeps the images within half of each row."""
+    """``tokens_per_image`` (a square), or by default the encoder's native grid
+    (448 px for 30B_mm), shrunk until the images fill at most half of a row."""
     merge = encoder_config.downsample_factor
     if tokens_per_image is None:
         native = min(encoder_config.pos_emb_grid_h, encoder_config.pos_emb_grid_w)

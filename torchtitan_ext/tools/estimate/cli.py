@@ -14,61 +14,53 @@ __all__ = ["GIB", "main", "plan_job"]
 
 GIB = 2**30
 MIB = 2**20
+MODES = ("replicated", "sharded")  # parallelism.context_parallel_vision
 
 _COLUMNS = (
-    "rank",
-    "pp",
-    "cp",
-    "images here",
-    "params {unit}",
-    "buffers {unit}",
-    "grads {unit}",
-    "optimizer {unit}",
-    "decoder act. {unit}",
-    "vision act. {unit}",
-    "retained / mb {unit}",
-    "in flight",
-    "measured peak {unit}",
-    "peak {unit}",
+    *("rank", "pp", "cp", "images here", "params {unit}", "buffers {unit}"),
+    *("grads {unit}", "optimizer {unit}", "decoder act. {unit}"),
+    *("vision act. {unit}", "retained / mb {unit}", "in flight"),
+    *("measured peak {unit}", "peak {unit}"),
 )
+
+_NOTES = """\
+Tensor bytes of one step per rank (zero_grad, forward, backward, clip,
+optimizer step) under FakeTensorMode and torch's (FSDP)MemTracker. decoder /
+vision act.: the forward's peak by module region, one microbatch (FSDP's
+all-gathers not included; flex attention as a fused kernel: no score matrices).
+peak = measured peak + (in flight - 1) x retained / mb: under PP a stage holds
+"in flight" microbatches at once, one measured (derived, not measured).
+Not modelled: the CUDA context, NCCL workspaces, the allocator's fragmentation."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.tools.estimate",
         allow_abbrev=False,
-        description="Memory per rank of one training step of a job, measured "
-        "under FakeTensorMode on a fake process group (see the package's "
-        "docstring). Other arguments are the job's: --module M --config C "
-        "instead of --config-file, --section.key overrides.",
+        description="Memory per rank of one training step of a job under "
+        "FakeTensorMode on a fake process group. Other arguments are the job's: "
+        "--module M --config C instead of --config-file, --section.key overrides.",
     )
-    parser.add_argument("--config-file", type=Path, help="the job's TOML file")
-    parser.add_argument("--seq-len", type=int, help="training.seq_len")
-    parser.add_argument(
-        "--images", type=int, default=1, help="images per row (sequence)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--config-file", type=Path, help="the job's TOML file")
+    add("--seq-len", type=int, help="training.seq_len")
+    add("--images", type=int, default=1, help="images per row (sequence)")
+    add(
         "--tokens-per-image",
         type=int,
         help="placeholders per image, a square (default: the encoder's native "
         "grid, shrunk until the images fill at most half of a row)",
     )
-    parser.add_argument(
-        "--vision",
-        choices=("replicated", "sharded"),
-        help="parallelism.context_parallel_vision",
-    )
-    parser.add_argument(
-        "--world-size", type=int, help="needed when dp_shard is -1 in the job"
-    )
-    parser.add_argument(
+    add("--vision", choices=MODES, help="parallelism.context_parallel_vision")
+    add("--world-size", type=int, help="needed when dp_shard is -1 in the job")
+    add(
         "--ranks",
         type=int,
         nargs="+",
-        help="global ranks to simulate (default: one per pipeline stage; every "
-        "CP rank with sharded vision)",
+        help="global ranks to simulate (default: one per pipeline stage; one per "
+        "distinct share of the images with sharded vision)",
     )
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    add("--json", type=Path, help="also write the rows here")
     return parser
 
 
@@ -93,7 +85,7 @@ def plan_job(
     ranks: list[int] | None = None,
     log=None,
 ):
-    """The image size, world size and every planned rank's ``RankEstimate`` for
+    """The image size, world size and each planned rank's ``RankEstimate`` for
     ``config`` on rows of ``images`` images, stage by stage."""
     from torchtitan_ext.tools.simulated_cluster import job_world_size
 
@@ -102,26 +94,19 @@ def plan_job(
 
     world_size = world_size or job_world_size(config)
     training, parallelism = config.training, config.parallelism
+    seq_len, model = training.seq_len, config.model_spec.model
     size = image_size(
-        config.model_spec.model.vision_encoder,
-        seq_len=training.seq_len,
+        model.vision_encoder,
+        seq_len=seq_len,
         images=images,
         tokens_per_image=tokens_per_image,
     )
-    batch = synthetic_batch(
-        config.model_spec.model,
-        rows=(
-            parallelism.pipeline_parallel_microbatch_size
-            if parallelism.pipeline_parallel_degree > 1
-            else training.local_batch_size
-        ),
-        seq_len=training.seq_len,
-        images=images,
-        size=size,
-    )
-    ranks = ranks or ranks_to_plan(config, world_size, batch[0]["grid_thw"])
+    rows = training.local_batch_size
+    if parallelism.pipeline_parallel_degree > 1:
+        rows = parallelism.pipeline_parallel_microbatch_size
+    batch = synthetic_batch(model, rows=rows, seq_len=seq_len, images=images, size=size)
     estimates, boundary = [], None
-    for rank in ranks:
+    for rank in ranks or ranks_to_plan(config, world_size, batch[0]["grid_thw"]):
         estimate, sent = estimate_rank(
             config, batch, rank=rank, world_size=world_size, boundary=boundary
         )
@@ -132,28 +117,16 @@ def plan_job(
     return size, world_size, estimates
 
 
-def _cells(estimate, unit: int) -> list[str]:
-    c = estimate.coordinates
+def _cells(e, unit: int) -> list[str]:
+    sizes = (e.parameters, e.buffers, e.gradients, e.optimizer)
+    sizes += (e.decoder_activations, e.vision_activations, e.retained_activations)
     return [
-        str(estimate.rank),
-        str(c.get("pp", 0)),
-        str(c.get("cp", 0)),
-        str(estimate.images_encoded),
-        *(
-            f"{value / unit:.2f}"
-            for value in (
-                estimate.parameters,
-                estimate.buffers,
-                estimate.gradients,
-                estimate.optimizer,
-                estimate.decoder_activations,
-                estimate.vision_activations,
-                estimate.retained_activations,
-            )
-        ),
-        str(estimate.in_flight),
-        f"{estimate.measured_peak / unit:.2f}",
-        f"{estimate.peak / unit:.2f}",
+        *map(str, (e.rank, e.coordinates.get("pp", 0), e.coordinates.get("cp", 0))),
+        str(e.images_encoded),
+        *(f"{value / unit:.2f}" for value in sizes),
+        str(e.in_flight),
+        f"{e.measured_peak / unit:.2f}",
+        f"{e.peak / unit:.2f}",
     ]
 
 
@@ -166,20 +139,13 @@ def table(columns, rows) -> str:
 
 def describe_job(config, world_size: int, images: int, size) -> str:
     p = config.parallelism
-    others = (
-        ("pp", p.pipeline_parallel_degree),
-        ("dp_replicate", p.data_parallel_replicate_degree),
-        ("cp", p.context_parallel_degree),
-        ("tp", p.tensor_parallel_degree),
-    )
-    dp_shard = world_size // math.prod(degree for _, degree in others)
-    degrees = ", ".join(
-        f"{name} {degree}"
-        for name, degree in (*others[:2], ("dp_shard", dp_shard), *others[2:])
-        if degree != 1
-    )
-    ac = type(config.activation_checkpoint).__qualname__.split(".")[0]
-    ac = "none" if config.activation_checkpoint is None else ac
+    degrees = {"pp": p.pipeline_parallel_degree}
+    degrees |= {"dp_replicate": p.data_parallel_replicate_degree, "dp_shard": 1}
+    degrees |= {"cp": p.context_parallel_degree, "tp": p.tensor_parallel_degree}
+    degrees["dp_shard"] = world_size // math.prod(degrees.values())
+    degrees = ", ".join(f"{name} {d}" for name, d in degrees.items() if d != 1)
+    ac = config.activation_checkpoint
+    ac = "none" if ac is None else type(ac).__qualname__.split(".")[0]
     return (
         f"{config.model_spec.name} {config.model_spec.flavor}, {world_size} ranks "
         f"({degrees or 'one rank'}), seq_len {config.training.seq_len}, "
@@ -189,43 +155,27 @@ def describe_job(config, world_size: int, images: int, size) -> str:
     )
 
 
-_NOTES = """\
-Measured under FakeTensorMode (torch.distributed._tools' FSDPMemTracker, or
-MemTracker without FSDP): tensor bytes of one step on each rank (zero_grad,
-forward, backward, clip, optimizer step), nothing allocated. params: this
-rank's parameter shards; buffers: its RoPE tables; grads: gradient shards
-after the step; optimizer: AdamW state; decoder / vision act.: peak bytes the
-forward allocates, by module region, for one microbatch (the loss's forward
-included; FSDP's all-gathers not; flex attention as a fused kernel: outputs
-and log-sum-exp only, no score matrices); measured peak: the peak of all
-tracked bytes (parameters, unsharded parameters, gradients, optimizer state,
-activations, backward temporaries, collective buffers).
-peak = measured peak + (in flight - 1) x retained / mb: under PP a stage
-holds "in flight" microbatches' activations at once; only one is measured,
-the others are this product (derived, not measured). Not modelled: the CUDA
-context, NCCL/communication workspaces, the caching allocator's rounding and
-fragmentation."""
-
-
 def report(config, world_size, images, size, estimates) -> str:
     worst = max(estimates, key=lambda e: e.peak)
     unit, name = (GIB, "GiB") if worst.peak >= GIB else (MIB, "MiB")
-    lines = [describe_job(config, world_size, images, size), ""]
     columns = [column.format(unit=name) for column in _COLUMNS]
-    lines.append(table(columns, [_cells(e, unit) for e in estimates]))
     breakdown = ", ".join(
         f"{kind} {nbytes / unit:.2f}"
         for kind, nbytes in worst.peak_breakdown.items()
         if nbytes >= unit / 100
     )
-    lines += [
-        "",
-        f"Largest peak: rank {worst.rank}, {worst.peak / unit:.2f} {name}; at "
-        f"its measured peak ({name}): {breakdown}.",
-        "",
-        _NOTES,
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            describe_job(config, world_size, images, size),
+            "",
+            table(columns, [_cells(e, unit) for e in estimates]),
+            "",
+            f"Largest peak: rank {worst.rank}, {worst.peak / unit:.2f} {name}; at "
+            f"its measured peak ({name}): {breakdown}.",
+            "",
+            _NOTES,
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
         f"\n{len(estimates)} rank(s) simulated in {time.perf_counter() - start:.0f} s"
     )
     if own.json is not None:
-        rows = [{**asdict(e), "peak": e.peak, "stage": e.stage} for e in estimates]
+        rows = [
+            {**asdict(e), "peak": e.peak, "stage": e.coordinates.get("pp")}
+            for e in estimates
+        ]
         own.json.parent.mkdir(parents=True, exist_ok=True)
         job = describe_job(config, world_size, own.images, size)
         own.json.write_text(json.dumps({"job": job, "rows": rows}, indent=2))

@@ -1,32 +1,27 @@
 """The smallest CP degree at which a job fits each GPU size, by sequence and images.
 
 ``python -m torchtitan_ext.tools.estimate.fit --config-file JOB.toml`` plans the
-job (``plan_job``: one step under FakeTensorMode on the fake process group) at
-every ``--seq-len`` and ``--images`` per row, raising its CP degree through
-``--cp`` with its data-parallel shard degree lowered to keep the world size (TP,
-PP and every other setting are the job's), in both vision modes (at CP1 they
-coincide: one plan stands for both). A mode stops rising at the first degree
-whose peak fits the smallest ``--capacity-gb``. A degree fits a capacity when
-the largest per-rank peak the planner reports is at most that many 10^9 bytes;
-what the planner does not model (CUDA context, NCCL workspaces, the caching
-allocator's rounding and fragmentation) must fit in the difference to the
-device's own size (an 80 GB H100 has 85.5e9 bytes, a 141 GB H200 150.7e9).
-Prints a markdown table and writes every plan's figures to ``--json`` as it goes.
+job at every ``--seq-len`` and ``--images`` per row in both vision modes,
+raising its CP degree through ``--cp`` with dp_shard lowered to keep the world
+size (at CP1 the modes coincide: one plan stands for both), until the peak fits
+the smallest ``--capacity-gb``. A degree fits a capacity when the largest
+per-rank peak is at most that many 10^9 bytes: what the planner does not model
+must fit in the difference to the device's size (80 GB H100: 85.5e9 bytes;
+141 GB H200: 150.7e9). Prints a markdown table; writes every plan to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
-from .cli import GIB, job_arguments, table
+from .cli import GIB, MODES, job_arguments, table
 
 __all__ = ["main"]
-
-_MODES = ("replicated", "sharded")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,34 +30,29 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description=__doc__.split("\n")[0],
     )
-    parser.add_argument("--config-file", type=Path, help="the job's TOML file")
-    parser.add_argument("--seq-len", type=int, nargs="+", required=True)
-    parser.add_argument("--images", type=int, nargs="+", required=True)
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--capacity-gb", type=float, nargs="+", default=[80, 141])
-    parser.add_argument("--tokens-per-image", type=int)
-    parser.add_argument("--json", type=Path, required=True)
+    add = parser.add_argument
+    add("--config-file", type=Path, help="the job's TOML file")
+    add("--seq-len", type=int, nargs="+", required=True)
+    add("--images", type=int, nargs="+", required=True)
+    add("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    add("--capacity-gb", type=float, nargs="+", default=[80, 141])
+    add("--tokens-per-image", type=int)
+    add("--json", type=Path, required=True)
     return parser
 
 
-def _plan(own, overrides, *, seq_len, images, cp, mode) -> dict:
+def _plan(own, job_args, *, seq_len, images, cp, mode, world_size, dp_shard_cp):
     """One plan: the job at ``cp`` with dp_shard making up its world size."""
-    from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
+    from torchtitan_ext.tools.simulated_cluster import load_job
 
     from .cli import describe_job, plan_job
 
-    job = load_job(job_arguments(own, overrides))
-    world_size = job_world_size(job)
-    dp_shard_cp = (
-        job.parallelism.data_parallel_shard_degree
-        * job.parallelism.context_parallel_degree
-    )
     if dp_shard_cp % cp:
         raise ValueError(
             f"CP{cp} does not divide the job's dp_shard x cp, {dp_shard_cp}"
         )
     config = load_job(
-        job_arguments(own, overrides)
+        job_args
         + [
             *("--training.seq_len", str(seq_len)),
             *("--parallelism.context_parallel_degree", str(cp)),
@@ -76,10 +66,7 @@ def _plan(own, overrides, *, seq_len, images, cp, mode) -> dict:
     )
     worst = max(estimates, key=lambda e: e.peak)
     return {
-        "seq_len": seq_len,
-        "images": images,
-        "cp": cp,
-        "vision": mode,
+        **dict(seq_len=seq_len, images=images, cp=cp, vision=mode),
         "job": describe_job(config, world_size, images, size),
         "world_size": world_size,
         "dp_shard_cp": dp_shard_cp,
@@ -88,10 +75,9 @@ def _plan(own, overrides, *, seq_len, images, cp, mode) -> dict:
         "derived_bytes": worst.peak - worst.measured_peak,
         "decoder_activation_bytes": worst.decoder_activations,
         "vision_activation_bytes": max(e.vision_activations for e in estimates),
-        "state_bytes": worst.parameters
-        + worst.buffers
-        + worst.gradients
-        + worst.optimizer,
+        "state_bytes": sum(
+            (worst.parameters, worst.buffers, worst.gradients, worst.optimizer)
+        ),
         "ranks_planned": [e.rank for e in estimates],
         "seconds": time.perf_counter() - start,
     }
@@ -109,63 +95,53 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()
+    from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
+
     own, overrides = _parser().parse_known_args(argv)
-    seq_lens, smallest_bytes = own.seq_len, min(own.capacity_gb) * 1e9
+    seq_lens, smallest_bytes = sorted(own.seq_len), min(own.capacity_gb) * 1e9
     own.seq_len = own.vision = None  # job_arguments' own overrides: set per plan
-    plans: list[dict] = []
-    for seq_len in sorted(seq_lens):
-        for images in own.images:
-            for mode in _MODES:
-                for cp in sorted(own.cp):
-                    if cp == 1 and mode == "sharded":
-                        plan = next(
-                            p
-                            for p in plans
-                            if (p["seq_len"], p["images"], p["cp"])
-                            == (seq_len, images, 1)
-                        )
-                        plan = {**plan, "vision": mode, "same_as": "replicated"}
-                    else:
-                        plan = _plan(
-                            own,
-                            overrides,
-                            seq_len=seq_len,
-                            images=images,
-                            cp=cp,
-                            mode=mode,
-                        )
-                    plans.append(plan)
-                    print(
-                        f"seq {seq_len}, {images} images, {mode}, CP{cp}: peak "
-                        f"{plan['peak_bytes'] / GIB:.1f} GiB "
-                        f"({plan.get('seconds', 0):.0f} s)",
-                        file=sys.stderr,
-                    )
-                    own.json.parent.mkdir(parents=True, exist_ok=True)
-                    own.json.write_text(json.dumps({"plans": plans}, indent=2))
-                    if plan["peak_bytes"] <= smallest_bytes:
-                        break
-    columns = ["seq_len", "images per row"] + [
-        f"{mode} vision, {gb:g} GB" for mode in _MODES for gb in own.capacity_gb
-    ]
-    rows = []
-    for seq_len in sorted(seq_lens):
-        for images in own.images:
-            cells = [str(seq_len), str(images)]
-            for mode in _MODES:
-                ran = [
-                    p
-                    for p in plans
-                    if (p["seq_len"], p["images"], p["vision"])
-                    == (seq_len, images, mode)
-                ]
-                cells += [_smallest(ran, gb) for gb in own.capacity_gb]
-            rows.append(cells)
-    print(
-        f"{own.config_file or ' '.join(overrides)}: {plans[0]['world_size']} ranks, "
-        f"CP raised with dp_shard x cp = {plans[0]['dp_shard_cp']} kept"
+    job_args = job_arguments(own, overrides)
+    job = load_job(job_args)
+    parallelism = job.parallelism
+    sizes = dict(
+        world_size=job_world_size(job),
+        dp_shard_cp=parallelism.data_parallel_shard_degree
+        * parallelism.context_parallel_degree,
     )
-    print()
+    plans: list[dict] = []
+    for seq_len, images, mode in itertools.product(seq_lens, own.images, MODES):
+        for cp in sorted(own.cp):
+            if cp == 1 and mode == "sharded":
+                key = dict(seq_len=seq_len, images=images, cp=1, vision="replicated")
+                same = next(p for p in plans if key.items() <= p.items())
+                plan = {**same, "vision": mode, "same_as": "replicated"}
+            else:
+                plan = dict(seq_len=seq_len, images=images, cp=cp, mode=mode)
+                plan = _plan(own, job_args, **plan, **sizes)
+            plans.append(plan)
+            print(
+                f"seq {seq_len}, {images} images, {mode}, CP{cp}: peak "
+                f"{plan['peak_bytes'] / GIB:.1f} GiB ({plan.get('seconds', 0):.0f} s)",
+                file=sys.stderr,
+            )
+            own.json.parent.mkdir(parents=True, exist_ok=True)
+            own.json.write_text(json.dumps({"plans": plans}, indent=2))
+            if plan["peak_bytes"] <= smallest_bytes:
+                break
+    columns = ["seq_len", "images per row"]
+    columns += [f"{mode} vision, {gb:g} GB" for mode in MODES for gb in own.capacity_gb]
+    rows = []
+    for seq_len, images in itertools.product(seq_lens, own.images):
+        cells = [str(seq_len), str(images)]
+        for mode in MODES:
+            key = dict(seq_len=seq_len, images=images, vision=mode)
+            ran = [p for p in plans if key.items() <= p.items()]
+            cells += [_smallest(ran, gb) for gb in own.capacity_gb]
+        rows.append(cells)
+    print(
+        f"{own.config_file or ' '.join(overrides)}: {sizes['world_size']} ranks, "
+        f"CP raised with dp_shard x cp = {sizes['dp_shard_cp']} kept\n"
+    )
     print(table(columns, rows))
     print("\nPeak of the largest rank at the smallest fitting CP degree, in GiB.")
     print(f"JSON: {own.json}")

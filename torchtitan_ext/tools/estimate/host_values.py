@@ -1,25 +1,17 @@
 """Host-side integer values under ``FakeTensorMode``, so data-dependent code runs.
 
-A fake tensor has a shape but no values, and FakeTensorMode raises on every op
-whose result depends on them. The plug-in's own path has none (its bank-index
-write needs no host sync), but torchtitan's vision encoder reads its geometry
-on the host. Run under fake mode, the first failure is
-``MuseGlimmerVisionEncoder.forward`` (``torchtitan/models/muse_glimmer/
-vision_encoder.py``, ~line 468): ``assert bool((grid_thw[:, 0] == 1).all())``
-raises ``DataDependentOutputException: aten._local_scalar_dense.default``;
-after it ``grid_thw.tolist()`` (one host sync per forward) does, and
-``_get_sparse_perm_and_slens``' ``idx[idx != -1]`` (a boolean index, whose
-output size depends on the values) raises ``DynamicOutputShapeException``.
+FakeTensorMode raises on every op whose result depends on values. The plug-in's
+path has none, but torchtitan's vision encoder reads its geometry on the host:
+``assert bool((grid_thw[:, 0] == 1).all())``, ``grid_thw.tolist()`` and
+``idx[idx != -1]`` (a boolean index: ``DynamicOutputShapeException``).
 
-``HostValues`` keeps the values of integer and boolean tensors, the kind that
-carries such geometry (grids, token ids, bank indices, positions, block-mask
-indices): a real tensor passed in (the prepared batch) is known, and so is the
-output of every op whose tensor inputs are all known integer tensors (or of a
-factory op with an integer result, such as ``arange``). Such an op also runs
-on the real values, outside fake mode; its fake output is the fake op's, or,
-where the fake op cannot size it, a fake of the real result. Floating-point
-tensors (activations, parameters) are never computed for real, whatever their
-size. An op that writes unknown data into a known tensor makes it unknown.
+``HostValues`` keeps the real values of integer and boolean tensors (grids,
+token ids, bank indices, positions, block-mask indices): those passed in real,
+and the outputs of ops whose tensor inputs all have known values (or of an
+integer factory op such as ``arange``), which it also runs on the real values;
+where the fake op cannot size its output, the output is a fake of the real
+result. Floating-point tensors are never computed for real. An op that writes
+unknown data into a known tensor makes it unknown.
 """
 
 from __future__ import annotations
@@ -40,14 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["HostValues"]
 
 _INTEGER_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    }
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 )
 
 
@@ -56,12 +41,8 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 class HostValues(TorchDispatchMode):
-    """Real values of the integer tensors of a fake-mode run (see the module).
-
-    Enter it right after ``fake_mode`` (the fake mode is an infrastructure
-    mode and stays below it); modes entered later, such as a memory tracker,
-    see the fake outputs it returns.
-    """
+    """Real values of the integer tensors of a fake-mode run. Enter it right
+    after ``fake_mode``; modes entered later (a tracker) see its fake outputs."""
 
     supports_higher_order_operators = True
 
@@ -69,7 +50,6 @@ class HostValues(TorchDispatchMode):
         super().__init__()
         self._fake_mode = fake_mode
         self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.real_ops = 0  # ops also run on real values
 
     def value(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The real value of an integer ``tensor``, or None if it is not known."""
@@ -80,11 +60,8 @@ class HostValues(TorchDispatchMode):
         return self._values.get(tensor)
 
     def fake(self, tree):
-        """``tree`` with its tensors made fake, integer ones keeping their values.
-
-        Block masks stay real (they are no pytree nodes; their indices are
-        integer, hence known).
-        """
+        """``tree`` with its tensors made fake, integer ones keeping their values
+        (block masks are no pytree nodes: they stay real)."""
 
         def fake(tensor: torch.Tensor) -> torch.Tensor:
             fake_tensor = self._fake_mode.from_tensor(tensor)
@@ -131,7 +108,6 @@ class HostValues(TorchDispatchMode):
         )
         with unset_fake_temporarily():
             real_out = func(*real_args, **real_kwargs)
-        self.real_ops += 1
         if out is None:
             # The fake op cannot size its output (or returns a host value).
             out = tree_map_only(torch.Tensor, self._fake_mode.from_tensor, real_out)

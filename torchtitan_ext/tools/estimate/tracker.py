@@ -1,39 +1,25 @@
-"""torch's memory trackers, with activations filed by model region.
+"""torch's memory trackers, with forward activations filed by model region.
 
-``torch.distributed._tools``' ``MemTracker`` (and its FSDP2 subclass
-``FSDPMemTracker``) sees every tensor storage an op creates in its ``with``
-block, fake tensors included, and files it by kind: parameters (sharded and,
-under FSDP, unsharded), gradients, optimizer state, activations (forward and
-activation-checkpoint recomputation), temporaries of the backward pass, FSDP's
-all-gather and reduce-scatter buffers. It keeps the live bytes of each kind
-and the breakdown at the peak of their sum.
+``MemTracker`` (and its FSDP2 subclass ``FSDPMemTracker``) files every storage
+an op creates, fake tensors included, by kind (parameters, gradients, optimizer
+state, activations, backward temporaries, FSDP's collective buffers) and keeps
+the breakdown at the peak. ``RegionTracker`` adds the forward activations by
+region, as ``benchmarks/memory_per_rank.py`` defines them so the two compare:
+created within ``in_forward()`` outside the autograd engine (the chunked loss
+runs each chunk's backward inside its forward: those are backward temporaries),
+``vision`` while a vision module runs, else ``decoder``; none inside FSDP's
+pre-forward hook (its all-gather output and unsharded parameters are
+parameters: 3.5 GiB of "decoder activations" for the 30B vision encoder's unit
+otherwise).
 
-``RegionTracker`` adds what the planner reports apart, defined as
-``benchmarks/memory_per_rank.py`` defines it, so the two can be compared:
-activation storages created in the forward pass (outside the autograd engine)
-within ``in_forward()`` (the model's and the loss's forward) are filed under
-``vision`` while one of the vision modules runs (forward hooks on
-``VISION_MODULE_FQNS``, registered after FSDP's own, so their all-gathers are
-not vision) and ``decoder`` otherwise, with live and peak bytes; none while
-the autograd engine runs (the chunked loss runs each chunk's backward inside
-its forward: those are backward temporaries), and none inside FSDP's
-pre-forward hook (its all-gather output and the unsharded parameters it copies
-out are parameters, filed as such once the hook returns: the first all-gather
-of a unit allocates both, 3.5 GiB of "decoder activations" for the 30B vision
-encoder's unit). A storage the tracker re-files away from activations leaves
-its region.
-
-Two changes to the trackers' bookkeeping. DTensor's sharding propagation
-computes output shapes on fake tensors of the *global* shape, in the fake mode
-it finds active (``ShardingPropagator._propagate_tensor_meta_non_cached``):
-under the planner's fake mode the trackers took them for allocations (111 GiB
-of "activations" for ``clip_grad_norm_``'s ``_foreach_norm`` over the 30B
-model's parameters), so what runs inside that call is not tracked. And a
-module called again in the same forward is allowed: torchtitan's chunked loss
-applies ``lm_head`` once per chunk and runs each chunk's backward inside the
-loss's forward; each backward resets ``ModTracker``'s module stack, so both
-trackers take the next chunk's call for a new iteration and raise ("does not
-support memory tracking for multiple iterative calls").
+Two changes to the trackers' bookkeeping. DTensor's sharding propagation makes
+fake tensors of the *global* shape in the fake mode it finds active
+(``ShardingPropagator._propagate_tensor_meta_non_cached``), which the trackers
+took for allocations (111 GiB of "activations" in ``clip_grad_norm_`` on the
+30B model): nothing inside that call is tracked. And the chunked loss applies
+``lm_head`` once per chunk; each chunk's backward resets ``ModTracker``'s
+module stack, so the trackers take the next call for a new iteration and raise
+("multiple iterative calls"): a stand-in parent allows it.
 
 The torch names this needs are private (no public API offers these hooks);
 ``tests/unit/test_upstream_guards.py`` fails, by name, when torch changes one.
@@ -54,12 +40,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["RegionTracker", "region_tracker"]
+__all__ = ["FORWARD_DECODER", "FORWARD_VISION", "RegionTracker", "region_tracker"]
 
 _REPEATED_CALL = "<a module called again in the same forward>"
 
 FORWARD_DECODER = "forward/decoder"
 FORWARD_VISION = "forward/vision"
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    return {getattr(k, "value", k): n for k, n in snapshot.items() if k != _TOTAL_KEY}
 
 
 class _Regions:
@@ -71,18 +61,21 @@ class _Regions:
     def _init_regions(self, vision_modules: Iterable[nn.Module]) -> None:
         self.region_current: dict[str, int] = defaultdict(int)
         self.region_peak: dict[str, int] = defaultdict(int)
+        self.retained = 0  # activations alive when the forward ended
         self._vision_depth = 0
         self._forward = False
-        self.retained = 0  # activations alive when the forward ended
         self._hooks = []
-        for module in vision_modules:
+        for module in vision_modules:  # after FSDP's: its all-gathers are not vision
             self._hooks.append(module.register_forward_pre_hook(self._enter_vision))
             self._hooks.append(
                 module.register_forward_hook(self._exit_vision, always_call=True)
             )
 
     def __enter__(self):
-        propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        propagate = self._propagate = (
+            ShardingPropagator._propagate_tensor_meta_non_cached
+        )
+        self._untracked = 0
 
         @functools.wraps(propagate)
         def untracked(propagator, *args, **kwargs):
@@ -92,8 +85,6 @@ class _Regions:
             finally:
                 self._untracked -= 1
 
-        self._propagate = propagate
-        self._untracked = 0
         ShardingPropagator._propagate_tensor_meta_non_cached = untracked
         return super().__enter__()
 
@@ -134,8 +125,6 @@ class _Regions:
 
     @contextlib.contextmanager
     def _repeatable_call(self) -> Iterator[None]:
-        """The trackers raise on a second call of a module with no module
-        around it (see the module's docstring); a stand-in parent allows it."""
         parents = self._mod_tracker.parents
         parents.add(_REPEATED_CALL)
         try:
@@ -156,13 +145,7 @@ class _Regions:
             self.region_peak[region], self.region_current[region]
         )
 
-    def _update_snap(
-        self,
-        u_type: _UpdateType,
-        winfo,
-        old_mem_consumed: int | None = None,
-        old_reftype=None,
-    ) -> None:
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         activation = self._ref_class.ACT
         region = getattr(winfo, "region", None)
@@ -177,6 +160,7 @@ class _Regions:
         elif u_type == _UpdateType.SIZE:
             self._add_to_region(region, winfo.mem_consumed - old_mem_consumed)
         elif u_type == _UpdateType.REF and winfo.reftype != activation:
+            # Re-filed away from activations: it leaves its region.
             self._add_to_region(region, -winfo.mem_consumed)
             winfo.region = None
 
@@ -193,22 +177,18 @@ class _Regions:
         """Live bytes by kind (``MemTracker``'s reference types), all devices."""
         live: dict[str, int] = defaultdict(int)
         for snapshot in self.get_tracker_snapshot("current").values():
-            for kind, nbytes in snapshot.items():
-                live[getattr(kind, "value", kind)] += nbytes
+            for kind, nbytes in _by_kind(snapshot).items():
+                live[kind] += nbytes
         return dict(live)
 
     def peak_bytes(self) -> tuple[int, dict[str, int]]:
         """The peak of all live bytes, and its breakdown by kind."""
-        total, breakdown = 0, {}
-        for snapshot in self.get_tracker_snapshot("peak").values():
-            if snapshot.get(_TOTAL_KEY, 0) > total:
-                total = snapshot[_TOTAL_KEY]
-                breakdown = {
-                    getattr(kind, "value", kind): nbytes
-                    for kind, nbytes in snapshot.items()
-                    if kind != _TOTAL_KEY
-                }
-        return total, breakdown
+        peak = max(
+            self.get_tracker_snapshot("peak").values(),
+            key=lambda snapshot: snapshot.get(_TOTAL_KEY, 0),
+            default={},
+        )
+        return peak.get(_TOTAL_KEY, 0), _by_kind(peak)
 
 
 class _PlainRegionTracker(_Regions, MemTracker):
@@ -237,19 +217,14 @@ def region_tracker(
     optimizers: Iterable[torch.optim.Optimizer],
     vision_modules: Iterable[nn.Module],
 ) -> RegionTracker:
-    """The tracker of one model part and its optimizers' state.
-
-    ``FSDPMemTracker`` when FSDP wraps the part (it instruments the FSDP
-    units below it); the plain ``MemTracker`` without FSDP (one rank). The
-    optimizer state must exist already: it is filed as such from the start.
-    """
+    """The tracker of one model part and its optimizers' (existing) state:
+    ``FSDPMemTracker`` when FSDP wraps the part, else the plain ``MemTracker``."""
     if isinstance(model_part, FSDPModule):
         tracker = _FSDPRegionTracker(model_part)
     else:
         tracker = _PlainRegionTracker()
-    tracker._init_regions(vision_modules)
-    if not isinstance(tracker, FSDPMemTracker):
         tracker.track_external(model_part)
+    tracker._init_regions(vision_modules)
     for optimizer in optimizers:
         tracker._track_optimizer_states(tracker._ref_class.OPT, optimizer)
     return tracker

@@ -1,21 +1,13 @@
 """The benchmarks' one harness: the plug-in's real Trainer on local gloo ranks.
 
-A script's ``main`` parses its arguments and runs a worker on N spawned ranks
-(``run_on_ranks``, the tests' launcher too); each worker builds
-``MuseGlimmerTrainer`` from a TOML job exactly as ``torchtitan_ext.train``
-does (``build_trainer``: CPU backend, the file, then the overrides) and drives
-it a step at a time (``train_step``), so a script can time or instrument what
-one step does with one batch; the workers' results come back to ``main``,
-which prints a table and writes JSON.
-
-Two kinds of job: a script's own TOML job on its own data (``add_job_arguments``,
-``host_syncs`` and ``preprocessing_overhead``), or the packed debug job at each
-``--cp`` degree on one synthetic row (``degree_parser``, ``run_degrees``:
-``memory_per_rank`` and ``vision_time``). There the debug model is changed only
-where the long row needs it: RoPE tables sized to ``--seq-len`` (the flavor
-stops at 4096) and ``--layers`` decoder layers (the flavor's 8; 4 keep one
-window pattern), float32 parameters at every degree (FSDP, on at CP > 1, would
-compute in bf16 and CP1 in fp32).
+A script runs ``measure(args, trainer)`` on N spawned ranks, each with a
+Trainer built from a TOML job as ``torchtitan_ext.train`` builds it, then a
+``report`` turns the ranks' results into a printed table and JSON. The job is
+a script's own (``job_parser``, ``run_job``) or the packed debug job at each
+``--cp`` degree on one synthetic row (``degree_parser``, ``run_degrees``),
+with RoPE sized to ``--seq-len`` (the flavor stops at 4096), ``--layers``
+decoder layers and float32 parameters at every degree (FSDP, on at CP > 1,
+would compute in bf16 and CP1 in fp32).
 """
 
 import argparse
@@ -27,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,85 +27,34 @@ import torch
 
 from torchtitan_ext.tools.local_ranks import run_on_ranks
 
-__all__ = [
-    "MIB",
-    "PACKED_JOB",
-    "REPO",
-    "Batch",
-    "add_job_arguments",
-    "alternating",
-    "barrier",
-    "batch_agreement",
-    "build_trainer",
-    "clone_batch",
-    "degree_job",
-    "degree_parser",
-    "exit_worker",
-    "fit_model",
-    "build_job_trainer",
-    "job_summary",
-    "median_pair_ratio",
-    "on_ranks",
-    "phase",
-    "run_job",
-    "parse_degrees",
-    "run_degrees",
-    "synchronize",
-    "synthetic_batch",
-    "table",
-    "to_device",
-    "train_step",
-    "use_eager_cp_block_masks",
-    "write_json",
-]
-
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 PACKED_JOB = str(REPO / "train_configs" / "packed.toml")
+OUTPUTS = REPO / "outputs" / "benchmarks"
 
 Batch = tuple[dict[str, Any], torch.Tensor]
 
 
-# ------------------------------------------------------------ launch and build
-
-
-def on_ranks(worker: Callable, nproc: int, *args, timeout_s: float = 3600.0):
-    """``worker(*args)`` on ``nproc`` local ranks; every rank's result.
-
-    The Trainer the worker builds joins the process group itself, as under
-    torchrun; each rank runs ``cpu_count / nproc`` threads.
-    """
-    return run_on_ranks(
-        worker, nproc, *args, timeout_s=timeout_s, init_process_group=False
-    )
-
-
-def exit_worker() -> None:
-    """End a process that finished its work, skipping the interpreter's teardown.
-
-    That teardown has aborted in a C++ destructor ("terminate called without an
-    active exception") after the results were written.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def build_trainer(config_file: str, overrides: Sequence[str], layers: int = 0):
-    """``MuseGlimmerTrainer`` for ``config_file`` with ``overrides`` (CLI flags),
-    its RoPE tables sized to the job's seq_len and, if ``layers``, that many
-    decoder layers."""
+def load_config(job: Sequence[str], layers: int = 0):
+    """The Trainer config of torchtitan flags ``job`` (CPU backend without an
+    accelerator), RoPE sized to its seq_len and, if ``layers``, that many layers."""
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()
-    from torchtitan.tools.logging import init_logger
-
     from torchtitan_ext.tools.simulated_cluster import load_job
 
-    init_logger()
-    config = load_job(["--job.config_file", config_file, *overrides])
+    config = load_job(list(job))
     model = config.model_spec.model
     fit_model(model, config.training.seq_len, layers or len(model.layers))
+    return config
+
+
+def build_trainer(job: Sequence[str], layers: int = 0):
+    """``load_config``'s Trainer, refused if a step would take several batches."""
+    config = load_config(job, layers)
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
     trainer = config.build()
     if trainer.gradient_accumulation_steps != 1 or trainer.parallel_dims.pp_enabled:
         raise ValueError(
@@ -139,46 +80,93 @@ def fit_model(model_config, seq_len: int, layers: int) -> None:
         )
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """A script's TOML job, its ranks and batch shape, and the unmeasured steps."""
-    parser.add_argument("--config-file", default="train_configs/cp2.toml")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--local-batch-size", type=int, default=2)
-    parser.add_argument(
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``low``."""
+
+    def parse(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return int(text)
+
+    return parse
+
+
+def job_parser(doc: str, json_name: str, steps: int) -> argparse.ArgumentParser:
+    """A CP job (unknown flags are torchtitan's), its ranks, batch shape, steps
+    and JSON."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    add = parser.add_argument
+    add("--config-file", default="train_configs/cp2.toml")
+    add("--nproc", type=int, default=2)
+    add("--seq-len", type=int, default=2048)
+    add("--local-batch-size", type=int, default=2)
+    add(
         "--max-images-per-batch",
         type=int,
         default=512,
         help="collator image budget; the job's 128 would drop rows at seq_len 2048",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps")
+    add("--warmup", type=at_least(0), default=1, help="unmeasured steps")
+    add("--steps", type=at_least(1), default=steps, help="measured steps")
+    add("--json", type=Path, default=OUTPUTS / json_name)
+    return parser
 
 
-def build_job_trainer(
-    args: argparse.Namespace, extra: Sequence[str], measured_steps: int, dump: str
-):
-    """The Trainer of ``add_job_arguments``' CP job, ``extra`` flags last."""
-    overrides = [
+def _on_ranks(nproc: int, measure, args, job: list[str], timeout_s=3600.0, **kwargs):
+    """Each rank's ``_worker`` result; the Trainer joins the process group
+    itself, as under torchrun."""
+    return run_on_ranks(
+        *(_worker, nproc, measure, args, job),
+        timeout_s=timeout_s,
+        init_process_group=False,
+        **kwargs,
+    )
+
+
+def _worker(measure: Callable, args, job: list[str], layers=0, need_cp=False):
+    """This rank's ``measure(args, trainer)`` on the Trainer of flags ``job``,
+    and what a report says of the job (with the host's load average)."""
+    load_at_start = os.getloadavg()
+    trainer = build_trainer(job, layers)
+    try:
+        if need_cp and not trainer.parallel_dims.cp_enabled:
+            raise ValueError(f"{job[1]} does not enable context parallelism")
+        result = measure(args, trainer)
+        config = trainer.config
+        return result, {
+            "device": trainer.device.type,
+            "cp": trainer.parallel_dims.cp,
+            "seq_len": config.training.seq_len,
+            "local_batch_size": config.training.local_batch_size,
+            "load_balancer": config.parallelism.context_parallel_load_balancer,
+            "load_average": {"start": load_at_start, "end": os.getloadavg()},
+        }
+    finally:
+        trainer.close()
+
+
+def run_job(parser: argparse.ArgumentParser, argv, measure, report) -> int:
+    """``measure(args, trainer)`` on ``--nproc`` ranks; ``report(args, job,
+    results)`` gives the text to print and what the JSON adds to the job."""
+    args, extra = parser.parse_known_args(argv)
+    flags = [
+        *("--job.config_file", args.config_file),
         *("--training.seq_len", str(args.seq_len)),
         *("--training.local_batch_size", str(args.local_batch_size)),
         *("--dataloader.max_images_per_batch", str(args.max_images_per_batch)),
-        *("--training.steps", str(args.warmup + measured_steps)),
-        *("--dump_folder", str(args.json.parent / dump)),
+        *("--training.steps", str(args.warmup + args.steps)),
+        *("--dump_folder", str(args.json.parent / f"{args.json.stem}_run")),
     ]
-    trainer = build_trainer(args.config_file, [*overrides, *extra])
-    if not trainer.parallel_dims.cp_enabled:
-        trainer.close()
-        raise ValueError(f"{args.config_file} does not enable context parallelism")
-    return trainer
-
-
-def run_job(parsed: tuple[argparse.Namespace, list[str]], worker, report) -> int:
-    """A TOML-job script's ``main``: ``worker(args, extra)`` on ``--nproc``
-    ranks returns (this rank's summary, ``job_summary``); ``report(args, extra,
-    job, summaries)`` prints and writes them."""
-    args, extra = parsed
-    results = on_ranks(worker, args.nproc, args, extra)
-    report(args, extra, results[0][1], [summary for summary, _ in results])
+    results = _on_ranks(args.nproc, measure, args, [*flags, *extra], need_cp=True)
+    job = results[0][1]
+    text, result = report(args, job, [result for result, _ in results])
+    print(
+        f"\n{args.config_file}: cp {job['cp']}, seq_len {job['seq_len']}, local "
+        f"batch {job['local_batch_size']}, {job['load_balancer']} balancer, "
+        f"{job['device']}; {text}"
+    )
+    args_json = vars(args) | {"torchtitan_args": extra}
+    write_json(args.json, {"args": args_json, **job, **result})
     return 0
 
 
@@ -192,80 +180,44 @@ def phase(holder, name: str):
         holder.phase = previous
 
 
-def job_summary(trainer) -> dict:
-    """What a report says of the job a worker ran."""
-    config = trainer.config
-    return {
-        "device": trainer.device.type,
-        "cp": trainer.parallel_dims.cp,
-        "seq_len": config.training.seq_len,
-        "local_batch_size": config.training.local_batch_size,
-        "load_balancer": config.parallelism.context_parallel_load_balancer,
-    }
-
-
-# ------------------------------------------------------------------ one step
-
-
 def to_device(trainer, batch: Batch) -> Batch:
     """``batch`` on the trainer's device, as ``train_step`` moves it."""
-    input_dict, labels = batch
-    input_dict = {
-        key: value.to(trainer.device) if isinstance(value, torch.Tensor) else value
-        for key, value in input_dict.items()
-    }
-    return input_dict, labels.to(trainer.device)
+    return _map_tensors(batch, lambda tensor: tensor.to(trainer.device))
 
 
 def clone_batch(batch: Batch) -> Batch:
     """A copy whose tensors a post-processing pass may not share with another."""
+    return _map_tensors(batch, torch.Tensor.clone)
+
+
+def _map_tensors(batch: Batch, fn: Callable) -> Batch:
     input_dict, labels = batch
     return {
-        key: value.clone() if isinstance(value, torch.Tensor) else value
+        key: fn(value) if isinstance(value, torch.Tensor) else value
         for key, value in input_dict.items()
-    }, labels.clone()
+    }, fn(labels)
 
 
 def synchronize(trainer) -> None:
-    """Wait for the trainer's device (a no-op on CPU)."""
     if trainer.device.type != "cpu":
         torch.accelerator.synchronize(trainer.device)
 
 
-def barrier() -> None:
+def timed_ms(trainer, fn, *args) -> tuple[float, float]:
+    """Wall and process CPU time of ``fn(*args)`` (ms), from a barrier to the
+    device's end; CPU time leaves out the time other processes held the cores."""
     torch.distributed.barrier()
+    synchronize(trainer)
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn(*args)
+    synchronize(trainer)
+    return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 
 def train_step(trainer, batch: Batch) -> float:
     """One ``Trainer.train_step`` on ``batch``: forward, backward, optimizer (ms)."""
     trainer.step += 1
-    barrier()
-    synchronize(trainer)
-    start = time.perf_counter()
-    trainer.train_step(iter([batch]))
-    synchronize(trainer)
-    return (time.perf_counter() - start) * 1e3
-
-
-def batch_agreement(trainer, batch: Batch) -> float:
-    """The Trainer's batch agreement check on the CPU ``batch`` (ms)."""
-    barrier()
-    start = time.perf_counter()
-    trainer.batch_agreement.check(*batch, "the benchmark")
-    return (time.perf_counter() - start) * 1e3
-
-
-def use_eager_cp_block_masks() -> None:
-    """Build torch's CP block masks with eager ``create_block_mask``.
-
-    ``cpu_backend`` does so on CPU; with an accelerator torch's CP mask rewrite
-    compiles it with ``fullgraph=True``, which cannot trace under the Python
-    mode that counts host syncs. The masks are the same.
-    """
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    _attention._compiled_create_block_mask = create_block_mask
+    return timed_ms(trainer, trainer.train_step, iter([batch]))[0]
 
 
 def synthetic_batch(trainer, seq_len: int, images: int, tokens_per_image: int):
@@ -273,8 +225,7 @@ def synthetic_batch(trainer, seq_len: int, images: int, tokens_per_image: int):
     from torchtitan.components.loss import IGNORE_INDEX
 
     encoder = trainer.model_config.vision_encoder
-    merge = encoder.downsample_factor
-    side = round(tokens_per_image**0.5) * merge
+    side = round(tokens_per_image**0.5) * encoder.downsample_factor
     image_id = trainer.tokenizer.image_id
     special = {
         f"{name}_id": getattr(trainer.tokenizer, f"{name}_id")
@@ -304,9 +255,6 @@ def synthetic_batch(trainer, seq_len: int, images: int, tokens_per_image: int):
     return input_dict, labels_1L
 
 
-# ------------------------------------------------------- one row, CP degrees
-
-
 def degree_parser(
     doc: str,
     *,
@@ -320,37 +268,33 @@ def degree_parser(
     from _vision_modes import VISION_MODES
 
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--cp", type=int, nargs="+", default=list(cp))
-    parser.add_argument("--images", type=int, nargs="+", default=list(images))
-    parser.add_argument("--tokens-per-image", type=int, default=tokens_per_image)
-    parser.add_argument(
+    add = parser.add_argument
+    add("--seq-len", type=int, default=seq_len)
+    add("--cp", type=int, nargs="+", default=list(cp))
+    add("--images", type=int, nargs="+", default=list(images))
+    add("--tokens-per-image", type=int, default=tokens_per_image)
+    add(
         "--layers",
         type=int,
         default=4,
         help="decoder layers; 4 or more keep the global-attention layer ptrr needs",
     )
-    parser.add_argument(
+    add(
         "--vision",
         nargs="+",
         choices=VISION_MODES,
         default=list(VISION_MODES),
         help="parallelism.context_parallel_vision modes, each measured per launch",
     )
-    parser.add_argument(
-        "--json", type=Path, default=REPO / "outputs" / "benchmarks" / json
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=3600.0, help="per CP degree's launch"
-    )
+    add("--json", type=Path, default=OUTPUTS / json)
+    add("--timeout-s", type=float, default=3600.0, help="per CP degree's launch")
     return parser
 
 
 def parse_degrees(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
-    """``degree_parser``'s arguments, the images checked to fit the row."""
+    """The parser's arguments, the images checked to fit the row."""
     args = parser.parse_args(argv)
-    side = round(args.tokens_per_image**0.5)
-    if side * side != args.tokens_per_image:
+    if round(args.tokens_per_image**0.5) ** 2 != args.tokens_per_image:
         parser.error(
             f"--tokens-per-image must be a square; got {args.tokens_per_image}"
         )
@@ -374,38 +318,27 @@ def degree_job(args: argparse.Namespace, cp: int, dump: str) -> list[str]:
     ]
 
 
-def _degree_worker(measure: Callable, args: argparse.Namespace) -> list[dict]:
-    """This rank's Trainer at CP = world size, measured by ``measure``."""
-    cp = int(os.environ["WORLD_SIZE"])
-    with tempfile.TemporaryDirectory() as dump:
-        trainer = build_trainer(PACKED_JOB, degree_job(args, cp, dump), args.layers)
-        try:
-            return measure(args, trainer)
-        finally:
-            trainer.close()
-
-
 def run_degrees(
     args: argparse.Namespace,
     measure: Callable[[argparse.Namespace, object], list[dict]],
     report: Callable[[argparse.Namespace, dict], tuple[str, list[dict]]],
 ) -> None:
-    """``measure(args, trainer)`` on N ranks for each ``--cp`` N; then
-    ``report(args, {cp: each rank's rows})`` gives the text and the JSON rows.
-    ``measure`` must be a module-level function (it is pickled to the ranks)."""
+    """``measure(args, trainer)`` (module-level: it is pickled) on N ranks for
+    each ``--cp`` N; ``report(args, {cp: each rank's rows})`` gives the text and
+    the JSON rows."""
     per_cp = {}
     for cp in args.cp:
         start = time.perf_counter()
-        per_cp[cp] = on_ranks(
-            _degree_worker, cp, measure, args, timeout_s=args.timeout_s
-        )
+        with tempfile.TemporaryDirectory() as dump:
+            job = ["--job.config_file", PACKED_JOB, *degree_job(args, cp, dump)]
+            results = _on_ranks(
+                cp, measure, args, job, args.timeout_s, layers=args.layers
+            )
+        per_cp[cp] = [rows for rows, _ in results]
         print(f"CP{cp}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     text, rows = report(args, per_cp)
     print(text)
     write_json(args.json, {"settings": vars(args), "rows": rows})
-
-
-# ------------------------------------------------------------------ reporting
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -424,14 +357,29 @@ def table(
     return "\n".join(lines)
 
 
-def alternating(variants: Sequence, pairs: int) -> Iterator[Sequence]:
-    """``variants`` once per pair, in reverse order every other pair.
+def row_table(
+    columns: Sequence[tuple[str, str | Callable[[dict], str]]],
+    rows: Iterable[dict],
+    left: Sequence[str] = (),
+) -> str:
+    """``table`` of dict ``rows``: a (title, cell) per column, the cell a
+    ``format_map`` string for the row or a function of it."""
+    cells = (
+        [cell(row) if callable(cell) else cell.format_map(row) for _, cell in columns]
+        for row in rows
+    )
+    return table([title for title, _ in columns], cells, left)
 
-    On a busy host the load drifts over minutes; alternating the order lets
-    the drift hit both variants alike, and a pair's ratio shares its noise.
-    """
+
+def in_pairs(variants: dict[str, Callable[[], Any]], pairs: int) -> dict[str, list]:
+    """Each variant's results, once per pair, in reverse order every other pair:
+    on a busy host the load drifts over minutes, and alternating lets the drift
+    hit the variants alike (a pair's ratio shares its noise)."""
+    results = {name: [] for name in variants}
     for pair in range(pairs):
-        yield variants if pair % 2 == 0 else variants[::-1]
+        for name in list(variants)[:: 1 if pair % 2 == 0 else -1]:
+            results[name].append(variants[name]())
+    return results
 
 
 def median_pair_ratio(

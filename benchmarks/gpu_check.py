@@ -4,24 +4,17 @@ Each section is a subprocess with a time limit, all within ``--budget-s``; one
 that fails or times out leaves an ``error`` beside what it had saved.
 
 - ``one_rank_plugin`` / ``one_rank_upstream``: ``train_configs/default.toml``
-  against torchtitan's own ``muse_glimmer_debugmodel_mm`` (0.3.0 as shipped,
-  without #4244: the rows' images are square, which that bug leaves alone),
-  each its real Trainer on 1 rank (NCCL), flex attention compiled as on any GPU. Per
-  ``--images`` count, a ``_harness.synthetic_batch`` row: tokens/s (median
-  ``_harness.train_step`` of ``--steps``, after ``--warmup``), peak allocated /
-  reserved memory over those steps, then the host syncs of one more step by
-  phase and owner (``host_syncs.py``'s recorder), images of 4 tokens: dynamo
-  does not compile under the recorder, and eager flex attention would
-  materialise 64 large images' scores (``batch_generator``: CPU batch reads).
-- ``injection``: ``vision_injection.py`` as is (it has no device: CPU tensors).
-- ``planned``: ``tools.estimate`` on ``--planner-config-file`` (30B_mm, FSDP4 x
-  CP4 x TP2 + SP, 32 ranks) with CUDA hidden: the CPU backend, as tested.
-- ``real_step``: that job's first planned rank on the fake process group
-  (``simulated_cluster``), the planner's batch prepared by the Trainer's hooks
-  on the GPU, the shard materialised there (no ``init_weights``), then
-  ``--real-steps`` of the planner's ``_train_step``, each with its peaks (the
-  first compiles flex attention). Fake collectives move no data (their outputs
-  are garbage of the right shape): memory is real; values and NCCL's are not.
+  against torchtitan's own ``muse_glimmer_debugmodel_mm`` (0.3.0 without #4244:
+  square images, which that bug leaves alone), each a real 1-rank Trainer with
+  compiled flex attention. Per ``--images`` count: tokens/s, peak allocated /
+  reserved memory, then the host syncs of one more step with 4-token images
+  (dynamo does not compile under the recorder, and eager flex attention would
+  materialise 64 large images' scores).
+- ``injection``: ``vision_injection.py`` as is (CPU tensors).
+- ``planned``: ``tools.estimate`` on ``--planner-config-file`` with CUDA hidden.
+- ``real_step``: that job's first planned rank on the fake process group, its
+  shard materialised on the GPU, ``--real-steps`` of the planner's step with
+  their peaks. Fake collectives move no data: memory is real, values are not.
 
     python benchmarks/gpu_check.py            # outputs/benchmarks/gpu_check.json
     python benchmarks/gpu_check.py --dry-run  # no GPU: jobs built, plan printed
@@ -30,7 +23,6 @@ that fails or times out leaves an ``error`` beside what it had saved.
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
 import signal
@@ -152,14 +144,12 @@ def _ratios(sections: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _harness
+
     parser, argv = _parser(), sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args = _harness.parse_degrees(parser, argv)  # the images checked to fit
     if args.section:
         _run_section(args)  # exits
-    if math.isqrt(args.tokens_per_image) ** 2 != args.tokens_per_image or (
-        2 * max(args.images) * args.tokens_per_image > args.seq_len
-    ):
-        parser.error("--tokens-per-image: a square; the images: half a row at most")
     folder = args.json.parent / "gpu_check_logs"
     plan = _plan(args, [arg for arg in argv if arg != "--dry-run"], folder)
     if args.dry_run:
@@ -188,8 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_section(args) -> None:
     """A section's worker; what it saves survives its end or a timeout."""
-    from _harness import exit_worker
-
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()  # a no-op with CUDA: off it, the workers run on the CPU
@@ -204,36 +192,38 @@ def _run_section(args) -> None:
         _one_rank(args, ONE_RANK[args.section], save)
     else:
         _real_step(args, save)
-    exit_worker()
+    # Skip the interpreter's teardown: it has aborted in a C++ destructor.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def _cuda(what: str):
-    """``torch.cuda.<what>()`` (``"peaks"``: peak memory); None without CUDA."""
+def _cuda(*calls: str):
+    """``torch.cuda.<call>()`` of each, the last one's result; None without
+    CUDA (a section run by hand on the CPU)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    if what == "reset_peaks":
-        _cuda("synchronize"), _cuda("empty_cache")
-        what = "reset_peak_memory_stats"
-    if what == "peaks":
-        allocated, reserved = (
-            torch.cuda.max_memory_allocated,
-            torch.cuda.max_memory_reserved,
-        )
-        return {"max_allocated_bytes": allocated(), "max_reserved_bytes": reserved()}
-    return getattr(torch.cuda, what)()
+    return [getattr(torch.cuda, call)() for call in calls][-1]
 
 
-def _one_rank_config(args, side: str, dump: str):
-    """The side's job, RoPE sized to ``--seq-len`` (``_harness.fit_model``)."""
-    import _harness
+_RESET_PEAKS = ("synchronize", "empty_cache", "reset_peak_memory_stats")
 
-    from torchtitan_ext.embedded_data import ensure_embedded_assets
-    from torchtitan_ext.tools.simulated_cluster import load_job
 
+def _peaks() -> dict:
+    allocated, reserved = _cuda("max_memory_allocated"), _cuda("max_memory_reserved")
+    if allocated is None:
+        return {}
+    return {"max_allocated_bytes": allocated, "max_reserved_bytes": reserved}
+
+
+def _one_rank_job(args, side: str, dump: str) -> list[str]:
+    """The side's torchtitan flags: the plug-in's job or torchtitan's flavor."""
     job = ["--job.config_file", str(REPO / "train_configs/default.toml")]
     if side == "upstream":
+        from torchtitan_ext.embedded_data import ensure_embedded_assets
+
         assets = ensure_embedded_assets()
         job = ["--module", "muse_glimmer", "--config", "muse_glimmer_debugmodel_mm"]
         job += ["--hf_assets_path", str(assets.tokenizer_dir)]
@@ -241,28 +231,21 @@ def _one_rank_config(args, side: str, dump: str):
     steps = len(args.images) * (args.warmup + args.steps + 1)
     job += ["--training.seq_len", str(args.seq_len), "--dump_folder", dump]
     job += ["--training.local_batch_size", "1", "--training.steps", str(steps)]
-    job += ["--metrics.log_freq", str(steps + 1)]  # its logging resets the peaks
-    config = load_job(job)
-    model = config.model_spec.model
-    _harness.fit_model(model, args.seq_len, len(model.layers))
-    return config
+    return job + ["--metrics.log_freq", str(steps + 1)]  # logging resets the peaks
 
 
 def _one_rank(args, side: str, save) -> None:
     import _harness
-    import host_syncs as hs
+    import host_syncs
     import torch
     from _vision_modes import with_vision_share
     from torchtitan.models.common.attention import FlexAttention
-    from torchtitan.tools.logging import init_logger
 
-    init_logger()
     compiled = hasattr(FlexAttention._compiled_flex_attn, "_torchdynamo_orig_callable")
     save(side=side, device=_cuda("get_device_name"), flex_compiled=compiled)
     with tempfile.TemporaryDirectory() as dump:
-        trainer = _one_rank_config(args, side, dump).build()
-        recorder = hs._Recorder(trainer.device)
-        hs._instrument(trainer, recorder)  # phases only; records under recording()
+        trainer = _harness.build_trainer(_one_rank_job(args, side, dump))
+        recorder = host_syncs.Recorder(trainer)  # counts only under recording
 
         def batch(images: int, tokens: int):
             return _harness.synthetic_batch(trainer, args.seq_len, images, tokens)
@@ -276,24 +259,15 @@ def _one_rank(args, side: str, save) -> None:
                 row_batch = batch(images, args.tokens_per_image)
                 for _ in range(args.warmup):
                     step(row_batch)
-                _cuda("reset_peaks")
+                _cuda(*_RESET_PEAKS)
                 ms = statistics.median(step(row_batch) for _ in range(args.steps))
-                row = {
-                    "images": images,
-                    "step_ms": ms,
-                    "tokens_per_s": args.seq_len / ms * 1e3,
-                }
-                rows.append(row | (_cuda("peaks") or {}))
+                row = {"images": images, "step_ms": ms}
+                rows.append(row | {"tokens_per_s": args.seq_len / ms * 1e3} | _peaks())
                 save(rows=rows)
             for row in rows:  # last: dynamo does not compile under the recorder
                 recorder.counts.clear()
-                row_batch = batch(row["images"], SYNC_TOKENS_PER_IMAGE)
-                with hs.recording(recorder):
-                    with recorder.in_phase(hs.BATCH_GENERATOR):
-                        checked = with_vision_share(trainer, row_batch)
-                    with recorder.in_phase(hs.REST_OF_STEP):
-                        _harness.train_step(trainer, checked)
-                totals = hs._totals(hs._rows([recorder.counts]), 1).items()
+                recorder.step(trainer, batch(row["images"], SYNC_TOKENS_PER_IMAGE))
+                totals = host_syncs.totals([recorder.counts]).items()
                 row["host_syncs"] = {  # phase -> owner (plug-in, torchtitan, torch)
                     p: {owner: n for owner, (n,) in o.items()} for p, o in totals
                 }
@@ -314,16 +288,12 @@ def _planner_job(args):
     config = load_job(job + shlex.split(args.planner_args))
     if config.parallelism.pipeline_parallel_degree > 1:
         raise ValueError("the real step runs one model part: a job without PP")
-    world, training, model = (
-        job_world_size(config),
-        config.training,
-        config.model_spec.model,
-    )
-    images, seq_len = args.planner_images, training.seq_len
+    world, seq_len = job_world_size(config), config.training.seq_len
+    model, images = config.model_spec.model, args.planner_images
     size = image_size(
         model.vision_encoder, seq_len=seq_len, images=images, tokens_per_image=None
     )
-    rows = training.local_batch_size
+    rows = config.training.local_batch_size
     batch = synthetic_batch(model, rows=rows, seq_len=seq_len, images=images, size=size)
     return config, batch, world, ranks_to_plan(config, world, batch[0]["grid_thw"])[0]
 
@@ -349,10 +319,10 @@ def _real_step(args, save) -> None:
         part.train()
         optimizers = simulated.config.optimizer.build(model_parts=[part])
         planner._create_optimizer_state(optimizers)
-        typecheck, parallelism = simulated.config.debug, simulated.config.parallelism
+        debug, parallelism = simulated.config.debug, simulated.config.parallelism
         context = dist_utils.get_spmd_context(
             parallel_dims=simulated.parallel_dims,
-            spmd_typechecking=typecheck.spmd_typechecking
+            spmd_typechecking=debug.spmd_typechecking
             and parallelism.spmd_backend == "spmd_types",
         )
         untracked = types.SimpleNamespace(
@@ -360,28 +330,26 @@ def _real_step(args, save) -> None:
         )
         save(allocated_before_step_bytes=_cuda("memory_allocated"))
         for _ in range(args.real_steps):
-            _cuda("reset_peaks")
+            _cuda(*_RESET_PEAKS)
             start = time.perf_counter()
             step_inputs = (optimizers, inputs, labels, kwargs)
             planner._train_step(simulated, context, untracked, *step_inputs)
             _cuda("synchronize")
-            steps.append({"seconds": time.perf_counter() - start})
-            steps[-1] |= _cuda("peaks") or {}
+            steps.append({"seconds": time.perf_counter() - start} | _peaks())
             save(steps=steps)
 
 
 def _dry_run(args, plan: dict) -> dict:
     """The plan, each job built as its section builds it (short of the model)."""
-    from torchtitan_ext import cpu_backend
-
-    cpu_backend.apply()
-    from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+    import _harness
 
     with tempfile.TemporaryDirectory() as dump:
         for name, side in ONE_RANK.items():
-            config = _one_rank_config(args, side, dump)
+            config = _harness.load_config(_one_rank_job(args, side, dump))
             plan[name]["trainer"] = type(config).__qualname__
             plan[name]["model"] = type(config.model_spec.model).__module__
+    from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+
     config, batch, world, rank = _planner_job(args)
     check_job_config(config, world)
     images, seq_len = len(batch[0]["grid_thw"]), config.training.seq_len

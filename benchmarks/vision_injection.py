@@ -1,25 +1,12 @@
 """Vision injection: the plug-in's bank-index gather vs torchtitan's span loop.
 
-Times the forward and the backward (from a fixed output gradient) of writing
-``n`` images' feature rows into a ``[1, seq_len, dim]`` token-embedding tensor,
-both ways, alternating the two in every repetition (and which goes first) so
-that machine noise hits both alike:
-
-- upstream: ``MuseGlimmerModel._inject_vision`` of torchtitan 0.3.0 (placeholder
-  spans found with one ``.tolist()`` host sync, then one slice assignment per
-  span);
-- plug-in: ``gather_vision_rows`` (``torch.where(idx >= 0, bank[idx.clamp(0)],
-  h)``: no host sync, autograd's own backward), given the bank indices the
-  Trainer builds before CP sharding; building them is timed on its own
-  (``index_ms``).
-
-Beside the times, each side's peak of the tensor bytes its forward and
-backward allocate (``_live_memory.LiveMemory``), outputs and gradients included.
-
-Projection and norm are identities in both, so only the injection is timed;
-both get a non-leaf copy of the embeddings, as the model's injection does.
-Every image has ``--tokens-per-image`` placeholders, spread evenly over the
-sequence with text between them.
+Forward and backward (from a fixed gradient) of writing ``n`` images' rows into
+a ``[1, seq_len, dim]`` embedding, alternating the two in pairs: torchtitan
+0.3.0's ``_inject_vision`` (one ``.tolist()`` host sync, one slice assignment
+per span) against ``gather_vision_rows`` on the Trainer's bank indices (no
+host sync, autograd's own backward; building the indices is timed apart).
+Also each side's peak of tensor bytes allocated (``_live_memory.LiveMemory``).
+Projection and norm are identities; both write into a non-leaf copy.
 
     python benchmarks/vision_injection.py            # table + JSON
     python benchmarks/vision_injection.py --seq-len 256 --images 1 4 --dims 16
@@ -27,13 +14,12 @@ sequence with text between them.
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _harness import MIB, alternating, median_pair_ratio, table  # benchmarks/ first
+from _harness import MIB, OUTPUTS, in_pairs, median_pair_ratio, row_table, write_json
 from _live_memory import LiveMemory
 
 from torchtitan_ext import cpu_backend
@@ -49,6 +35,21 @@ from torchtitan_ext.tools.upstream_injection import UpstreamInjection  # noqa: E
 IMAGE_ID = 4
 MERGE = 2
 DIMS = {"debugmodel_mm": 256, "30B_mm": 6656}
+PHASES = {"forward": "_forward", "backward": "_backward", "total": ""}  # key tags
+_COLUMNS = [
+    ("dim", "{dim}"),
+    ("images", "{images}"),
+    ("vision tokens", "{vision_tokens}"),
+    ("upstream fwd / bwd ms", "{upstream_forward_ms:.2f} / {upstream_backward_ms:.2f}"),
+    ("plug-in fwd / bwd ms", "{plugin_forward_ms:.2f} / {plugin_backward_ms:.2f}"),
+    ("speedup fwd", "{speedup_forward:.2f}x"),
+    ("speedup bwd", "{speedup_backward:.2f}x"),
+    ("speedup fwd+bwd", "{speedup:.2f}x"),
+    ("quartiles", "{speedup_quartiles[0]:.2f}-{speedup_quartiles[1]:.2f}x"),
+    ("index build ms", "{index_ms:.2f}"),
+    ("upstream peak MiB", lambda r: f"{r['upstream_peak_bytes'] / MIB:.1f}"),
+    ("plug-in peak MiB", lambda r: f"{r['plugin_peak_bytes'] / MIB:.1f}"),
+]
 
 
 def _batch(seq_len: int, images: int, tokens_per_image: int):
@@ -57,44 +58,43 @@ def _batch(seq_len: int, images: int, tokens_per_image: int):
         raise ValueError(
             f"{images} images x {tokens_per_image} tokens do not fit seq_len {seq_len}"
         )
+    side = round(tokens_per_image**0.5)
+    if side * side != tokens_per_image:
+        raise ValueError(f"--tokens-per-image must be a square, got {tokens_per_image}")
     tokens_1L = torch.full((1, seq_len), 9, dtype=torch.long)
     stride = seq_len // images
     for image in range(images):
         start = image * stride
         tokens_1L[0, start : start + tokens_per_image] = IMAGE_ID
-    side = int(round(tokens_per_image**0.5))
-    if side * side != tokens_per_image:
-        raise ValueError(f"--tokens-per-image must be a square, got {tokens_per_image}")
-    grid_thw_N3 = torch.tensor([[1, side * MERGE, side * MERGE]] * images)
-    return tokens_1L, grid_thw_N3
+    return tokens_1L, torch.tensor([[1, side * MERGE, side * MERGE]] * images)
 
 
-def _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD, memory=None):
-    """Run one injection: (forward ms, backward ms, (out, h grad, bank grad)).
-
-    Under ``memory`` (a ``LiveMemory``) its forward and backward are counted."""
+def _forward_backward(inject, tensors, memory=None):
+    """One injection: its ms per phase, and (out, h grad, bank grad); under
+    ``memory`` (a ``LiveMemory``) its forward and backward are counted."""
+    h0_1LD, bank0_TD, grad_1LD = tensors
     h_1LD = h0_1LD.clone().requires_grad_()
     bank_TD = bank0_TD.clone().requires_grad_()
-    # A non-leaf copy to write into, as the embedding output in the model.
-    h_in_1LD = h_1LD.clone()
+    h_in_1LD = h_1LD.clone()  # a non-leaf to write into, as in the model
     with memory or contextlib.nullcontext():
         start = time.perf_counter()
         out_1LD = inject(h_in_1LD, bank_TD)
         forward_end = time.perf_counter()
         out_1LD.backward(grad_1LD)
-        backward_end = time.perf_counter()
-    forward_ms = (forward_end - start) * 1e3
-    backward_ms = (backward_end - forward_end) * 1e3
-    return forward_ms, backward_ms, (out_1LD, h_1LD.grad, bank_TD.grad)
+        end = time.perf_counter()
+    ms = (forward_end - start, end - forward_end, end - start)
+    times = {phase: t * 1e3 for phase, t in zip(PHASES, ms, strict=True)}
+    return times, (out_1LD, h_1LD.grad, bank_TD.grad)
 
 
-def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats: int):
-    tokens_1L, grid_thw_N3 = _batch(seq_len, images, tokens_per_image)
-    rows = images * tokens_per_image
+def _measure(args, dim: int, images: int) -> dict:
+    tokens_1L, grid_thw_N3 = _batch(args.seq_len, images, args.tokens_per_image)
+    rows = images * args.tokens_per_image
     generator = torch.Generator().manual_seed(0)
-    h0_1LD = torch.randn(1, seq_len, dim, generator=generator)
-    bank0_TD = torch.randn(rows, dim, generator=generator)
-    grad_1LD = torch.randn(1, seq_len, dim, generator=generator)
+    tensors = [  # h0_1LD, bank0_TD, grad_1LD
+        torch.randn(*shape, generator=generator)
+        for shape in ((1, args.seq_len, dim), (rows, dim), (1, args.seq_len, dim))
+    ]
     vision_mask_1L = tokens_1L == IMAGE_ID
     upstream = UpstreamInjection()
 
@@ -110,78 +110,41 @@ def _measure(seq_len: int, dim: int, images: int, tokens_per_image: int, repeats
         ),
         "plugin": lambda h, bank: gather_vision_rows(h, bank, bank_indices_1L),
     }
-    peak_bytes = {}
-    runs = {}
+    row = {"seq_len": args.seq_len, "dim": dim, "images": images}
+    row |= {"vision_tokens": rows, "repeats": args.repeats}
+    outputs = {}
     for name, inject in sides.items():
         memory = LiveMemory()
-        runs[name] = _forward_backward(inject, h0_1LD, bank0_TD, grad_1LD, memory)[2]
-        peak_bytes[name] = memory.peak_total
-    for name, run in runs.items():
-        if not all(map(torch.equal, runs["upstream"], run)):
+        outputs[name] = _forward_backward(inject, tensors, memory)[1]
+        row[f"{name}_peak_bytes"] = memory.peak_total
+        if not all(map(torch.equal, outputs["upstream"], outputs[name])):
             raise AssertionError(
                 f"{name} disagrees with upstream (values or gradients)"
             )
-    phases = ("forward", "backward", "total")
-    times = {name: {phase: [] for phase in phases} for name in sides}
+    runs = in_pairs(
+        {
+            name: lambda inject=inject: _forward_backward(inject, tensors)[0]
+            for name, inject in sides.items()
+        },
+        args.repeats,
+    )
+    times = {name: {p: [r[p] for r in runs[name]] for p in PHASES} for name in sides}
     index_ms = []
-    for names in alternating(list(sides), repeats):
-        for name in names:
-            forward_ms, backward_ms, _ = _forward_backward(
-                sides[name], h0_1LD, bank0_TD, grad_1LD
-            )
-            run_ms = (forward_ms, backward_ms, forward_ms + backward_ms)
-            for phase, ms in zip(phases, run_ms, strict=True):
-                times[name][phase].append(ms)
+    for _ in range(args.repeats):
         start = time.perf_counter()
         index()
         index_ms.append((time.perf_counter() - start) * 1e3)
-    row = {"seq_len": seq_len, "dim": dim, "images": images, "vision_tokens": rows}
-    for name, by_phase in times.items():
-        row[f"{name}_ms"] = statistics.median(by_phase["total"])
-        row[f"{name}_forward_ms"] = statistics.median(by_phase["forward"])
-        row[f"{name}_backward_ms"] = statistics.median(by_phase["backward"])
-        row[f"{name}_peak_bytes"] = peak_bytes[name]
-    for phase, key in zip(
-        phases, ("speedup_forward", "speedup_backward", "speedup"), strict=True
-    ):
-        row[key], row[f"{key}_quartiles"] = median_pair_ratio(
+    for phase, tag in PHASES.items():
+        for name in sides:
+            row[f"{name}{tag}_ms"] = statistics.median(times[name][phase])
+        row[f"speedup{tag}"], row[f"speedup{tag}_quartiles"] = median_pair_ratio(
             times["upstream"][phase], times["plugin"][phase]
         )
     row["index_ms"] = statistics.median(index_ms)
-    row["repeats"] = repeats
     return row
 
 
-def _table(rows: list[dict]) -> str:
-    columns = [
-        *("dim", "images", "vision tokens"),
-        *(f"{side} fwd / bwd ms" for side in ("upstream", "plug-in")),
-        *("speedup fwd", "speedup bwd", "speedup fwd+bwd", "quartiles"),
-        "index build ms",
-        *(f"{side} peak MiB" for side in ("upstream", "plug-in")),
-    ]
-    cells = []
-    for r in rows:
-        low, high = r["speedup_quartiles"]
-        sides = ("upstream", "plugin")
-        cells.append(
-            [
-                *(str(r["dim"]), str(r["images"]), str(r["vision_tokens"])),
-                *(
-                    f"{r[f'{s}_forward_ms']:.2f} / {r[f'{s}_backward_ms']:.2f}"
-                    for s in sides
-                ),
-                *(f"{r[k]:.2f}x" for k in ("speedup_forward", "speedup_backward")),
-                f"{r['speedup']:.2f}x",
-                f"{low:.2f}-{high:.2f}x",
-                f"{r['index_ms']:.2f}",
-                *(f"{r[f'{s}_peak_bytes'] / MIB:.1f}" for s in sides),
-            ]
-        )
-    return table(columns, cells)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--images", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -189,31 +152,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens-per-image", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--json", type=Path, default=Path("outputs/benchmarks/vision_injection.json")
-    )
+    parser.add_argument("--json", type=Path, default=OUTPUTS / "vision_injection.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [
-        _measure(args.seq_len, dim, images, args.tokens_per_image, args.repeats)
-        for dim in args.dims
-        for images in args.images
-    ]
+    rows = [_measure(args, dim, images) for dim in args.dims for images in args.images]
     print(
         f"seq_len {args.seq_len}, {args.tokens_per_image} tokens per image, fp32, "
         f"median of {args.repeats}, {args.threads} thread(s); speedup: median (and "
         "quartiles) of the back-to-back pairs' time ratios"
     )
-    print(_table(rows))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2
-        )
-        + "\n"
-    )
-    print(f"wrote {args.json}")
-    return rows
+    print(row_table(_COLUMNS, rows))
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

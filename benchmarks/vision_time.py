@@ -1,35 +1,21 @@
 """Vision time or training step time per rank, sharded vs replicated CP vision.
 
-Sharded vision (``--parallelism.context_parallel_vision sharded``) should cut
-each CP rank's vision work to its share of the images, at the price of one
-exchange of the projected rows, and must not slow a step with few images (the
-exchange and, on ranks without an image, a blank image's encoding are its
-overhead). Each ``--cp`` degree runs on its own gloo ranks with the real
-Trainer (``_harness.run_degrees``); for each ``--images`` count each rank times
-one scope in both modes, alternating in pairs, after untimed warm-up passes:
+Sharded vision should cut each CP rank's vision work to its share of the
+images, at the price of one exchange of the projected rows, and must not slow
+a step with few images. Each ``--cp`` degree runs on its own ranks
+(``_harness.run_degrees``); per ``--images`` count each rank times one scope in
+both modes, alternating in pairs, after untimed warm-up passes:
 
-- ``--scope vision``: the vision path alone, forward and backward: encoder and
-  adapter (``_get_vision_features``), projection, norm, in sharded mode the
-  exchange, and the bank-row gather into the token embeddings
-  (``_inject_vision``), called as ``MuseGlimmerModel.forward`` calls them,
-  inside the Trainer's spmd context, on the inputs the Trainer's
-  post-processing gives this rank in that mode. The embeddings are a fixed
-  random non-leaf ``[1, seq_len / cp, dim]`` tensor; backward runs from a fixed
-  random gradient. FSDP as in training: the encoder and adapter are units of
-  their own, with their all-gathers and reduce-scatters (alike in both modes);
-  the root unit (projection, norm) is unsharded before the timed region. CP1
-  (where the modes coincide) is the reference, in its own launch.
-- ``--scope step``: one real ``Trainer.train_step`` (post-processing, forward,
-  backward, clipping, optimizer) on a fresh copy of the row, carrying this
-  rank's share of the images in sharded mode; before it, the Trainer's batch
+- ``--scope vision``: the vision path alone (encoder, adapter, projection,
+  norm, the exchange, the gather into the embeddings), forward and backward
+  from a fixed gradient, called as ``MuseGlimmerModel.forward`` calls it on
+  the inputs post-processing gives this rank; FSDP as in training, the root
+  unit unsharded before the timed region. CP1 is the reference.
+- ``--scope step``: one real ``Trainer.train_step``, and before it the batch
   agreement check on the CPU row, timed on its own.
 
 Per pair the slowest rank's time in each mode; the ratio is sharded over
-replicated per pair, its median and quartiles. Every pass carries fixed costs
-alike in both modes (FSDP's collectives, the Python dispatch of a few hundred
-ops), so the ratio falls towards the share of images as their number grows.
-On the CPU debug model the decoder dominates the step, so a step's gain is a
-few percent of its vision part's.
+replicated per pair, its median and quartiles.
 
     python benchmarks/vision_time.py --scope vision      # table + JSON
     python benchmarks/vision_time.py --scope step --seq-len 512 --cp 2 \\
@@ -37,19 +23,13 @@ few percent of its vision part's.
 """
 
 import argparse
+import functools
+import statistics
 import time
 
 import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
-from _vision_modes import (
-    compare_slowest_ranks,
-    modes_at,
-    ratio_cells,
-    set_vision_mode,
-    time_in_pairs,
-    train_step_in,
-    with_vision_share,
-)
+from _vision_modes import VISION_MODES, modes_at, set_vision_mode, with_vision_share
 
 # scope -> its timed phases (the last one is compared) and its defaults.
 SCOPES = {
@@ -81,9 +61,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return _harness.parse_degrees(parser, argv)
 
 
-# ---------------------------------------------------------------- worker side
-
-
 def _vision_pass(trainer, model_inputs, h0_BLD, grad_BLD) -> dict[str, float]:
     """One forward + backward of the vision path on this rank's inputs (ms)."""
     from torch.distributed.fsdp import FSDPModule
@@ -100,7 +77,7 @@ def _vision_pass(trainer, model_inputs, h0_BLD, grad_BLD) -> dict[str, float]:
         model._vision_bank_indices_BL = extra["vision_bank_indices"]
         model._cp_vision_share = extra.get("cp_vision_share")
         try:
-            _harness.barrier()
+            torch.distributed.barrier()
             start = time.perf_counter()
             features = model._get_vision_features(
                 extra["pixel_values"], extra["grid_thw"]
@@ -122,39 +99,45 @@ def _vision_pass(trainer, model_inputs, h0_BLD, grad_BLD) -> dict[str, float]:
     }
 
 
-def _vision_timer(trainer, modes: list[str], batch):
-    """Each mode's model inputs (untimed), and a timer of one vision pass."""
-    model_inputs = {}
+def _train_step(trainer, mode: str, batch) -> float:
+    """One ``Trainer.train_step`` in ``mode`` on a fresh copy of ``batch`` (ms)."""
+    set_vision_mode(trainer, mode)
+    return _harness.train_step(trainer, with_vision_share(trainer, batch))
+
+
+def _timer(args, trainer, modes: list[str], batch):
+    """A timer of the scope in a mode, and facts of this rank's row."""
+    if args.scope == "step":
+
+        def timed_step(mode: str) -> dict[str, float]:
+            check = trainer.batch_agreement.check
+            agreement_ms, _ = _harness.timed_ms(trainer, check, *batch, "the benchmark")
+            return {
+                "agreement_ms": agreement_ms,
+                "step_ms": _train_step(trainer, mode, batch),
+            }
+
+        return timed_step, {}
+    inputs = {}  # each mode's model inputs, untimed
     for mode in modes:
         set_vision_mode(trainer, mode)
-        model_inputs[mode] = trainer.post_dataloading_process(
+        inputs[mode] = trainer.post_dataloading_process(
             *with_vision_share(trainer, batch)
         )
-    tokens_BL = model_inputs[modes[0]][0]
     generator = torch.Generator().manual_seed(1)
+    shape_BLD = (*inputs[modes[0]][0].shape, trainer.model_config.dim)
     h0_BLD, grad_BLD = (
-        torch.randn(*tokens_BL.shape, trainer.model_config.dim, generator=generator).to(
-            trainer.device
-        )
+        torch.randn(*shape_BLD, generator=generator).to(trainer.device)
         for _ in range(2)
     )
-    share = model_inputs[modes[-1]][2].get("cp_vision_share")
+    share = inputs[modes[-1]][2].get("cp_vision_share")
     images = len(batch[0]["grid_thw"])
 
     def timed(mode: str) -> dict[str, float]:
-        return _vision_pass(trainer, model_inputs[mode], h0_BLD, grad_BLD)
+        set_vision_mode(trainer, mode)
+        return _vision_pass(trainer, inputs[mode], h0_BLD, grad_BLD)
 
     return timed, {"image_range": share.image_range if share else [0, images]}
-
-
-def _step_timer(trainer, modes: list[str], batch):
-    def timed(mode: str) -> dict[str, float]:
-        return {
-            "agreement_ms": _harness.batch_agreement(trainer, batch),
-            "step_ms": train_step_in(trainer, mode, batch),
-        }
-
-    return timed, {}
 
 
 def _measure(args: argparse.Namespace, trainer) -> list[dict]:
@@ -165,88 +148,99 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
             trainer, min(args.seq_len, 1024), 1, args.tokens_per_image
         )
         for mode in modes:
-            train_step_in(trainer, mode, warm_up)
-    timer = _vision_timer if args.scope == "vision" else _step_timer
+            _train_step(trainer, mode, warm_up)
     rows = []
     for images in args.images:
         batch = _harness.synthetic_batch(
             trainer, args.seq_len, images, args.tokens_per_image
         )
-        timed, facts = timer(trainer, modes, batch)
+        timed, facts = _timer(args, trainer, modes, batch)
         for _ in range(args.warmup):
             for mode in modes:
                 timed(mode)
-        times = time_in_pairs(trainer, modes, args.pairs, timed)
+        variants = {mode: functools.partial(timed, mode) for mode in modes}
+        times = _harness.in_pairs(variants, args.pairs)
         rows.append({"images": images, **facts, "times": times})
     return rows
 
 
-# ---------------------------------------------------------------- driver side
-
-
 def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
+    """Per CP and images, each mode's median over pairs of the slowest rank's
+    times, and sharded over replicated per pair of the last phase."""
     phases, _ = SCOPES[args.scope]
-    rows = [
-        {
-            "cp": cp,
-            "images": rank_rows[0]["images"],
-            "vision_tokens": rank_rows[0]["images"] * args.tokens_per_image,
-            **compare_slowest_ranks([r["times"] for r in rank_rows], phases),
-            "image_ranges": [r.get("image_range") for r in rank_rows],
-            "ranks": rank_rows,
-        }
-        for cp, ranks in per_cp.items()
-        for rank_rows in zip(*ranks, strict=True)
-    ]
+    total = phases[-1]
+    rows = []
+    for cp, ranks in per_cp.items():
+        for rank_rows in zip(*ranks, strict=True):  # one images count, every rank
+            images = rank_rows[0]["images"]
+            row = {"cp": cp, "images": images}
+            row["vision_tokens"] = images * args.tokens_per_image
+            slowest = {
+                (mode, phase): [
+                    max(rank[phase] for rank in pair)
+                    for pair in zip(*(r["times"][mode] for r in rank_rows), strict=True)
+                ]
+                for mode in rank_rows[0]["times"]
+                for phase in phases
+            }
+            row |= {f"{m}_{p}": statistics.median(t) for (m, p), t in slowest.items()}
+            if ("sharded", total) in slowest:
+                row["sharded_ratio"], row["sharded_ratio_quartiles"] = (
+                    _harness.median_pair_ratio(
+                        slowest["sharded", total], slowest["replicated", total]
+                    )
+                )
+            if "replicated_agreement_ms" in row:
+                agreement_ms = row["replicated_agreement_ms"]
+                row["agreement_pct_of_step"] = (
+                    100 * agreement_ms / row[f"replicated_{total}"]
+                )
+            row["image_ranges"] = [r.get("image_range") for r in rank_rows]
+            rows.append(row | {"ranks": rank_rows})
     base = {r["images"]: r for r in rows if r["cp"] == 1}
     for r in rows:
         for mode in args.vision:
-            if r["images"] in base and f"{mode}_{phases[-1]}" in r:
-                reference = base[r["images"]][f"replicated_{phases[-1]}"]
-                r[f"{mode}_vs_cp1"] = r[f"{mode}_{phases[-1]}"] / reference
+            if r["images"] in base and f"{mode}_{total}" in r:
+                reference = base[r["images"]][f"replicated_{total}"]
+                r[f"{mode}_vs_cp1"] = r[f"{mode}_{total}"] / reference
     return rows
 
 
-def _mode_cells(r: dict, mode: str, phases) -> list[str]:
-    if f"{mode}_{phases[-1]}" not in r:
-        return ["-"] * (len(phases) + 1)
-    vs_cp1 = r.get(f"{mode}_vs_cp1")
-    cells = [f"{r[f'{mode}_{phase}']:.1f}" for phase in phases]
-    return cells + [f"{vs_cp1:.2f}x" if vs_cp1 is not None else "-"]
+def _cell(key: str, spec: str):
+    """A column: ``row[key]`` (a list: its items) through ``spec``; "-" if none."""
 
+    def cell(row: dict) -> str:
+        value = row.get(key)
+        if value is None:
+            return "-"
+        return spec.format(*value) if isinstance(value, list) else spec.format(value)
 
-def _table(args, rows: list[dict]) -> str:
-    phases, _ = SCOPES[args.scope]
-    timed = phases if args.scope == "vision" else phases[-1:]
-    columns = ["CP", "images", "vision tokens"]
-    for mode in ("replicated", "sharded"):
-        columns += [f"{mode} {phase.removesuffix('_ms')} ms" for phase in timed]
-        columns.append("vs CP1")
-    columns += ["sharded / replicated", "quartiles"]
-    if args.scope == "step":
-        columns += ["batch agreement ms", "% of step"]
-    cells = []
-    for r in sorted(rows, key=lambda r: (r["images"], r["cp"])):
-        row = [str(r["cp"]), str(r["images"]), str(r["vision_tokens"])]
-        for mode in ("replicated", "sharded"):
-            row += _mode_cells(r, mode, timed)
-        row += ratio_cells(r)
-        if args.scope == "step":
-            agreement, step = r["replicated_agreement_ms"], r["replicated_step_ms"]
-            row += [f"{agreement:.2f}", f"{100 * agreement / step:.3f}%"]
-        cells.append(row)
-    return _harness.table(columns, cells)
+    return cell
 
 
 def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
     rows = _rows(args, per_cp)
+    phases, _ = SCOPES[args.scope]
+    columns = [("CP", "{cp}"), ("images", "{images}")]
+    columns.append(("vision tokens", "{vision_tokens}"))
+    for mode in VISION_MODES:
+        for phase in phases if args.scope == "vision" else phases[-1:]:
+            title = f"{mode} {phase.removesuffix('_ms')} ms"
+            columns.append((title, _cell(f"{mode}_{phase}", "{:.1f}")))
+        columns.append(("vs CP1", _cell(f"{mode}_vs_cp1", "{:.2f}x")))
+    columns.append(("sharded / replicated", _cell("sharded_ratio", "{:.2f}x")))
+    columns.append(("quartiles", _cell("sharded_ratio_quartiles", "{:.2f}-{:.2f}x")))
+    if args.scope == "step":
+        columns.append(("batch agreement ms", "{replicated_agreement_ms:.2f}"))
+        columns.append(("% of step", "{agreement_pct_of_step:.3f}%"))
     header = (
         f"{args.scope} time: seq_len {args.seq_len}, {args.tokens_per_image} tokens "
         f"per image, fp32, {args.layers} decoder layers; times: median over "
         f"{args.pairs} pairs of the slowest rank's; sharded / replicated: median "
         "(and quartiles) of the alternated pairs' ratios"
     )
-    return header + "\n" + _table(args, rows), rows
+    order = sorted(rows, key=lambda r: (r["images"], r["cp"]))
+    return header + "\n" + _harness.row_table(columns, order), rows
 
 
 def main(argv=None) -> None:

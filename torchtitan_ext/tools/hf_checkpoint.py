@@ -1,17 +1,13 @@
 """A Hugging Face muse_glimmer checkpoint of the plug-in's debug multimodal model.
 
-Users start from the released ``MuseGlimmerForConditionalGeneration`` weights
-and export back to them. This writes such a folder for the debug flavor:
-``model.safetensors`` through torchtitan's own ``MuseGlimmerStateDictAdapter``
-(the converter ``--checkpoint.initial_load_in_hf`` and ``last_save_in_hf``
-use) and ``config.json``, transformers' ``MuseGlimmerConfig`` of the same
-architecture, derived field by field from the torchtitan model config. The
-weights come from a torchtitan DCP checkpoint (``--from-dcp``, e.g. a seed
-checkpoint) or from a seeded init whose constant-initialised parameters are
-perturbed (``--seed``): torchtitan's init starts the final norm at 0, so every
-logit would be 0 and any comparison of logits would pass.
-
 ``python -m torchtitan_ext.tools.hf_checkpoint --out DIR [--seed N | --from-dcp PATH]``
+
+Writes ``model.safetensors`` through torchtitan's ``MuseGlimmerStateDictAdapter``
+(the converter of ``--checkpoint.initial_load_in_hf`` and ``last_save_in_hf``) and
+``config.json``, transformers' ``MuseGlimmerConfig`` derived field by field from
+the torchtitan model config. The weights come from a DCP checkpoint or a seeded
+init with its constant tensors drawn instead: torchtitan starts the final norm
+at 0, so every logit would be 0 and any comparison of logits would pass.
 """
 
 import argparse
@@ -32,23 +28,20 @@ def _text_config(model_config) -> dict:
     attention = [layer.attention for layer in model_config.layers]
     windows = {a.window_size for a in attention if a.window_size is not None}
     assert len(windows) == 1, f"one sliding window for HF's config, got {windows}"
-    layer0 = model_config.layers[0]
+    layer0, a0 = model_config.layers[0], attention[0]
     return {
         "model_type": "muse_glimmer_text",
         "vocab_size": model_config.vocab_size,
         "hidden_size": model_config.dim,
         "intermediate_size": layer0.feed_forward.w1.out_features,
         "num_hidden_layers": len(model_config.layers),
-        "num_attention_heads": attention[0].n_heads,
-        "num_key_value_heads": attention[0].n_kv_heads,
-        "head_dim": attention[0].head_dim,
-        "max_position_embeddings": attention[0].rope.max_seq_len,
+        "num_attention_heads": a0.n_heads,
+        "num_key_value_heads": a0.n_kv_heads,
+        "head_dim": a0.head_dim,
+        "max_position_embeddings": a0.rope.max_seq_len,
         "rms_norm_eps": layer0.attention_norm.eps,
         "post_norm_eps": layer0.post_attention_norm.eps,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": attention[0].rope.theta,
-        },
+        "rope_parameters": {"rope_type": "default", "rope_theta": a0.rope.theta},
         "sliding_window": windows.pop(),
         "layer_types": [
             "full_attention" if a.window_size is None else "sliding_attention"
@@ -57,7 +50,7 @@ def _text_config(model_config) -> dict:
         # 0 is HF's NoPE.
         "layer_rope_theta": [a.rope.theta if a.use_rope else 0.0 for a in attention],
         # torchtitan scales the normed query by scale_query_by, as HF by this.
-        "qk_scale_factor": attention[0].scale_query_by,
+        "qk_scale_factor": a0.scale_query_by,
         "output_multiplier": model_config.lm_head.output_multiplier,
         "final_logit_softcapping": model_config.lm_head.output_soft_cap_temp,
         "tie_word_embeddings": False,
@@ -99,10 +92,7 @@ def _vision_config(encoder) -> dict:
 
 
 def hf_config(model_config) -> dict:
-    """transformers' ``MuseGlimmerConfig`` (as ``config.json``) of ``model_config``.
-
-    Token ids are the embedded tokenizer's (``embedded_data.SPECIAL_TOKENS``).
-    """
+    """transformers' ``MuseGlimmerConfig`` of ``model_config``, embedded token ids."""
     return {
         "architectures": ["MuseGlimmerForConditionalGeneration"],
         "model_type": "muse_glimmer",
@@ -117,21 +107,17 @@ def hf_config(model_config) -> dict:
     }
 
 
-def _model_spec():
+def _model_config():
     from torchtitan_ext.muse_glimmer import model_registry
 
-    return model_registry(FLAVOR)
+    return model_registry(FLAVOR).model
 
 
 def seeded_state_dict(seed: int) -> dict[str, torch.Tensor]:
-    """A seeded torchtitan init, every constant-initialised tensor drawn instead.
-
-    Norm gains and biases start constant (the final norm's gain at 0); they
-    become N(0.5, 0.25), so every logit and every parameter's gradient is
-    non-trivial. The rest is torchtitan's own init.
-    """
+    """torchtitan's seeded init, constant tensors (norm gains and biases, the final
+    norm's at 0) drawn from N(0.5, 0.25): every logit and gradient is non-trivial."""
     torch.manual_seed(seed)
-    model = _model_spec().model.build()
+    model = _model_config().build()
     model.init_weights()
     generator = torch.Generator().manual_seed(seed)
     state = {}
@@ -149,14 +135,11 @@ def write_hf_checkpoint(out: Path, state_dict: dict[str, torch.Tensor]) -> Path:
         MuseGlimmerStateDictAdapter,
     )
 
-    model_config = _model_spec().model
+    model_config = _model_config()
     hf_state = MuseGlimmerStateDictAdapter(model_config, None).to_hf(state_dict)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {key: value.contiguous() for key, value in hf_state.items()},
-        out / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+    tensors = {key: value.contiguous() for key, value in hf_state.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.dumps(hf_config(model_config), indent=2) + "\n"
     (out / "config.json").write_text(config)
     return out

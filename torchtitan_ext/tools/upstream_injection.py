@@ -1,8 +1,5 @@
-"""torchtitan 0.3.0's vision injection on its own: the reference the gather must equal.
-
-Shared by ``tests/unit/test_vision_bank.py`` (values and gradients bitwise) and
-``benchmarks/vision_injection.py`` (speed).
-"""
+"""torchtitan 0.3.0's ``_inject_vision`` alone, the reference the gather must equal
+(``tests/unit/test_vision_bank.py``: bitwise; ``benchmarks/vision_injection.py``)."""
 
 from torch import nn
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as UpstreamModel
@@ -11,10 +8,8 @@ __all__ = ["UpstreamInjection"]
 
 
 class UpstreamInjection(nn.Module):
-    """torchtitan's ``_inject_vision`` on just what it reads of its model.
-
-    Projection and norm are identities, so only the injection runs.
-    """
+    """Just what upstream's injection reads of its model; projection and norm are
+    identities, so only the injection runs."""
 
     _vision_spans = UpstreamModel._vision_spans
     _inject_vision = UpstreamModel._inject_vision

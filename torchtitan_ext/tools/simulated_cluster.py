@@ -110,6 +110,20 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def spmd_backend(name: str):
+    """torchtitan's process-wide SPMD backend set to ``name``, as the Trainer
+    sets it, and restored after."""
+    from torchtitan.distributed import utils as dist_utils
+
+    previous = dist_utils.get_spmd_backend()
+    dist_utils.set_spmd_backend(name)
+    try:
+        yield
+    finally:
+        dist_utils.set_spmd_backend(previous)
+
+
+@contextlib.contextmanager
 def simulated_rank(
     config, *, rank: int = 0, world_size: int | None = None
 ) -> Iterator[SimulatedRank]:
@@ -119,7 +133,6 @@ def simulated_rank(
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.config.override import apply_overrides
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils
 
     from torchtitan_ext.muse_glimmer.config_checks import check_job_config
@@ -133,10 +146,10 @@ def simulated_rank(
         # MuseGlimmerTrainer.init_distributed: before any process group.
         check_job_config(config, world_size)
     model_spec = config.model_spec
-    with _fake_process_group(rank, world_size), contextlib.ExitStack() as restore:
-        # torchtitan's process-wide SPMD backend, as the Trainer sets it.
-        restore.callback(dist_utils.set_spmd_backend, dist_utils.get_spmd_backend())
-        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    with (
+        _fake_process_group(rank, world_size),
+        spmd_backend(config.parallelism.spmd_backend),
+    ):
         # Trainer.__init__, in its order, from init_distributed to the model parts.
         parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         parallel_dims.build_mesh()

@@ -17,7 +17,6 @@ than recognising memorised samples.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -212,15 +211,13 @@ def caption_loss(model, batches: list[_Batch]) -> tuple[float, int]:
     """
     import torch
     import torch.nn.functional as F
-    from torchtitan.distributed import utils as dist_utils
 
     from torchtitan_ext.muse_glimmer import build_vision_bank_indices
+    from torchtitan_ext.tools.simulated_cluster import spmd_backend
 
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    with torch.no_grad(), contextlib.ExitStack() as restore:
-        restore.callback(dist_utils.set_spmd_backend, dist_utils.get_spmd_backend())
-        dist_utils.set_spmd_backend("partial_dtensor")
+    with torch.no_grad(), spmd_backend("partial_dtensor"):
         for inputs, labels in batches:
             kwargs = {k: v for k, v in inputs.items() if k != "input"}
             kwargs["attention_masks"] = model.get_attention_masks(inputs["positions"])

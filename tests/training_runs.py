@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_ext.tools.parity import RUN_TRAIN, RunSpec, launch_run
-from torchtitan_ext.tools.parity.moments import checkpoint_tensors
+from torchtitan_ext.tools.parity import (
+    RUN_TRAIN,
+    RunSpec,
+    checkpoint_tensors,
+    launch_run,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

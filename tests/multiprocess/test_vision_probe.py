@@ -13,11 +13,11 @@ CPU types), embedded / held-out images, CP2 on an Intel Xeon: true 0.6724 /
 0.6881, shuffled 0.7831 / 0.7731, gap 0.111 / 0.085 (``vision_probe.PROBE_LR``
 says why lr 2e-3). The untrained seed scores exactly ln(2048) either way (its
 output norm is 0). About 6 minutes on 2 cores: seed 14 s, CP2 ~320 s, probes
-9 s. ``python -m torchtitan_ext.tools.probe_seeds --out DIR --fp32 --jobs
+9 s. ``python -m torchtitan_ext.tools.vision_probe --out DIR --fp32 --jobs
 packed cp2 --seeds 42`` trains and probes 1 rank and CP2 the same way.
 
 fp32 parameters, as the parity suites use; the jobs' default bf16 mixed
-precision is measured over seeds by ``probe_seeds`` (README, "Vision probe").
+precision is measured over seeds by ``vision_probe --out`` (README, "Vision probe").
 
 ``TORCHTITAN_EXT_VISION_PROBE_OUT`` keeps the runs, logs and ``probe.json`` in
 that folder; ``TORCHTITAN_EXT_VISION_PROBE_STEPS`` changes the step count.

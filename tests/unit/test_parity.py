@@ -24,6 +24,7 @@ from torchtitan_ext.tools.parity import (
     RunScalars,
     RunSpec,
     compare,
+    compare_first_moments,
     format_table,
     read_tb_scalars,
     run_parity,
@@ -31,7 +32,6 @@ from torchtitan_ext.tools.parity import (
     suite,
 )
 from torchtitan_ext.tools.parity.__main__ import build_parser, main, specs_from_args
-from torchtitan_ext.tools.parity.moments import compare_first_moments
 
 
 def _f32(x: float) -> float:

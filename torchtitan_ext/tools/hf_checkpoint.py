@@ -1,13 +1,7 @@
 """A Hugging Face muse_glimmer checkpoint of the plug-in's debug multimodal model.
 
 ``python -m torchtitan_ext.tools.hf_checkpoint --out DIR [--seed N | --from-dcp PATH]``
-
-Writes ``model.safetensors`` through torchtitan's ``MuseGlimmerStateDictAdapter``
-(the converter of ``--checkpoint.initial_load_in_hf`` and ``last_save_in_hf``) and
-``config.json``, transformers' ``MuseGlimmerConfig`` derived field by field from
-the torchtitan model config. The weights come from a DCP checkpoint or a seeded
-init with its constant tensors drawn instead: torchtitan starts the final norm
-at 0, so every logit would be 0 and any comparison of logits would pass.
+(README: "Hugging Face weights and the transformers reference").
 """
 
 import argparse
@@ -24,12 +18,15 @@ __all__ = ["hf_config", "seeded_state_dict", "write_hf_checkpoint"]
 FLAVOR = "debugmodel_mm"
 
 
-def _text_config(model_config) -> dict:
+def hf_config(model_config) -> dict:
+    """transformers' ``MuseGlimmerConfig`` of ``model_config``, embedded token ids."""
     attention = [layer.attention for layer in model_config.layers]
     windows = {a.window_size for a in attention if a.window_size is not None}
     assert len(windows) == 1, f"one sliding window for HF's config, got {windows}"
     layer0, a0 = model_config.layers[0], attention[0]
-    return {
+    encoder = model_config.vision_encoder
+    layers = encoder.num_layers
+    text_config = {
         "model_type": "muse_glimmer_text",
         "vocab_size": model_config.vocab_size,
         "hidden_size": model_config.dim,
@@ -58,11 +55,7 @@ def _text_config(model_config) -> dict:
         "bos_token_id": SPECIAL_TOKENS.index("<|begin_of_text|>"),
         "eos_token_id": SPECIAL_TOKENS.index("<|end_of_text|>"),
     }
-
-
-def _vision_config(encoder) -> dict:
-    layers = encoder.num_layers
-    return {
+    vision_config = {
         "model_type": "muse_glimmer_vision",
         "hidden_size": encoder.latent_dim,
         "intermediate_size": encoder.block.mlp.fc1.out_features,
@@ -89,17 +82,13 @@ def _vision_config(encoder) -> dict:
             "rope_theta": encoder.rope_freq.rope_theta,
         },
     }
-
-
-def hf_config(model_config) -> dict:
-    """transformers' ``MuseGlimmerConfig`` of ``model_config``, embedded token ids."""
     return {
         "architectures": ["MuseGlimmerForConditionalGeneration"],
         "model_type": "muse_glimmer",
         "dtype": "float32",
-        "text_config": _text_config(model_config),
-        "vision_config": _vision_config(model_config.vision_encoder),
-        "out_hidden_size": model_config.vision_encoder.output_dim,
+        "text_config": text_config,
+        "vision_config": vision_config,
+        "out_hidden_size": encoder.output_dim,
         "projector_hidden_size": model_config.vision_adapter.c_fc.out_features,
         "projector_hidden_act": "gelu",
         "image_token_id": SPECIAL_TOKENS.index("<|image_pad|>"),
@@ -107,17 +96,17 @@ def hf_config(model_config) -> dict:
     }
 
 
-def _model_config():
+def _model_spec():
     from torchtitan_ext.muse_glimmer import model_registry
 
-    return model_registry(FLAVOR).model
+    return model_registry(FLAVOR)
 
 
 def seeded_state_dict(seed: int) -> dict[str, torch.Tensor]:
     """torchtitan's seeded init, constant tensors (norm gains and biases, the final
     norm's at 0) drawn from N(0.5, 0.25): every logit and gradient is non-trivial."""
     torch.manual_seed(seed)
-    model = _model_config().build()
+    model = _model_spec().model.build()
     model.init_weights()
     generator = torch.Generator().manual_seed(seed)
     state = {}
@@ -131,16 +120,12 @@ def seeded_state_dict(seed: int) -> dict[str, torch.Tensor]:
 
 def write_hf_checkpoint(out: Path, state_dict: dict[str, torch.Tensor]) -> Path:
     """``out/model.safetensors`` and ``out/config.json`` of a torchtitan state."""
-    from torchtitan.models.muse_glimmer.state_dict_adapter import (
-        MuseGlimmerStateDictAdapter,
-    )
-
-    model_config = _model_config()
-    hf_state = MuseGlimmerStateDictAdapter(model_config, None).to_hf(state_dict)
+    spec = _model_spec()  # its adapter converts initial_load_in_hf's checkpoints
+    hf_state = spec.state_dict_adapter(spec.model, None).to_hf(state_dict)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.contiguous() for key, value in hf_state.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.dumps(hf_config(model_config), indent=2) + "\n"
+    config = json.dumps(hf_config(spec.model), indent=2) + "\n"
     (out / "config.json").write_text(config)
     return out
 
@@ -155,13 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--seed", type=int, default=0, help="seeded, perturbed init")
     source.add_argument("--from-dcp", type=Path, help="a torchtitan DCP checkpoint")
     args = parser.parse_args(argv)
-    if args.from_dcp is not None:
-        from torchtitan_ext.tools.parity.moments import checkpoint_tensors
+    if args.from_dcp is None:
+        print(write_hf_checkpoint(args.out, seeded_state_dict(args.seed)))
+        return
+    from torchtitan_ext.tools.parity import checkpoint_tensors
 
-        state = checkpoint_tensors(args.from_dcp)
-    else:
-        state = seeded_state_dict(args.seed)
-    print(write_hf_checkpoint(args.out, state))
+    print(write_hf_checkpoint(args.out, checkpoint_tensors(args.from_dcp)))
 
 
 if __name__ == "__main__":

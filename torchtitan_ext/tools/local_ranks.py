@@ -1,33 +1,29 @@
-"""Run a function on N gloo processes on this machine, with a hard timeout.
+"""The tests' and benchmarks' one launcher: a function on N gloo processes here.
 
-The tests' and benchmarks' one launcher. Each spawned rank switches torchtitan to
+On ``torch.multiprocessing``, with a hard timeout. Each rank switches torchtitan to
 the CPU backend, sets torchrun's environment, joins one gloo group on 127.0.0.1
-(unless ``init_process_group=False``: a Trainer built in ``fn`` joins its own)
-and calls ``fn``, a picklable top-level function, unpickled after
-``cpu_backend.apply()`` (so a test module may import torchtitan at its top).
-Results come back through ``torch.save``, so tensors are fine.
+(unless ``init_process_group=False``: a Trainer built in ``fn`` joins its own) and
+calls ``fn``, a picklable top-level function, unpickled after ``cpu_backend.apply()``
+(so a test module may import torchtitan at its top); results via ``torch.save``.
 """
 
-import io
-import math
-import multiprocessing
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 __all__ = ["RankError", "free_port", "run_on_ranks"]
-
-_POLL_S = 0.2
-_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks'
 
 
 class RankError(RuntimeError):
@@ -41,7 +37,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, payload, timeout_s, init_process_group, send):
+def _entry(rank, world_size, port, payload, timeout_s, init_process_group, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
         os.environ[name] = os.environ[f"LOCAL_{name}"] = str(value)
@@ -52,17 +48,18 @@ def _entry(rank, world_size, port, payload, timeout_s, init_process_group, send)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if init_process_group:
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        send.send((True, buffer.getvalue()))
-    except BaseException:
-        send.send((False, traceback.format_exc()))
+        fn, args, kwargs = pickle.loads(payload)
+        torch.save(fn(*args, **kwargs), Path(out, f"{rank}.pt"))
+    except Exception:
+        raise
+    except BaseException:  # pytest.fail and the like, which torch's wrapper misses
+        raise RuntimeError(traceback.format_exc()) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is saved: no rank pays its interpreter teardown
 
 
 def run_on_ranks(
@@ -75,61 +72,31 @@ def run_on_ranks(
 ) -> list[Any]:
     """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, on gloo ranks.
 
-    ``RankError`` carries the failing ranks' tracebacks or exit codes;
-    ``TimeoutError`` names the ranks still running after ``timeout_s`` (a hang?).
-    All processes are killed at the end: no rank pays its interpreter teardown.
+    ``RankError`` carries the first failing rank's traceback or exit code (the
+    others get 2 s to end, then are killed); ``TimeoutError`` names the ranks
+    still running after ``timeout_s`` (a hang?). No process outlives the call.
     """
-    context = multiprocessing.get_context("spawn")
+    name = f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks"
     payload = pickle.dumps((fn, args, kwargs))
-    common = (world_size, free_port(), payload, timeout_s, init_process_group)
-    pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
-    processes = [
-        context.Process(target=_entry, args=(rank, *common, send), daemon=True)
-        for rank, (_, send) in enumerate(pipes)
-    ]
-    pending = {receive: rank for rank, (receive, _) in enumerate(pipes)}
-    outputs: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline, report_at = time.monotonic() + timeout_s, math.inf
-    try:
-        for process, (_, send) in zip(processes, pipes, strict=True):
-            process.start()
-            send.close()  # the rank holds the only copy: EOF once it ends
-        while pending:
-            now = time.monotonic()
-            if now > report_at:
-                break
-            if now > deadline:
-                running = [r for r in range(world_size) if r not in outputs]
-                raise TimeoutError(
-                    f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: "
-                    f"rank(s) {running} still running after {timeout_s:.0f} s "
-                    "(hang?); all processes killed"
-                )
-            for receive in wait(list(pending), timeout=_POLL_S):
-                rank = pending.pop(receive)
-                try:
-                    ok, data = receive.recv()
-                except EOFError:  # ended without reporting
-                    processes[rank].join(timeout=_GRACE_S)
-                    code = processes[rank].exitcode
-                    ok, data = False, f"exited with code {code} without a result"
-                if ok:
-                    outputs[rank] = torch.load(io.BytesIO(data), weights_only=False)
-                else:
-                    failures[rank] = data
-                    report_at = min(report_at, now + _GRACE_S)
-        if failures:
-            lines = [
-                f"rank {r} of {world_size}: {failures[r]}" for r in sorted(failures)
-            ]
-            raise RankError("\n".join(lines))
-    finally:
-        started = [process for process in processes if process.pid is not None]
-        for process in started:
-            process.kill()
-        for process in started:
-            process.join(timeout=10)
-        for receive, _ in pipes:
-            receive.close()
-    return [outputs[rank] for rank in range(world_size)]
+    with tempfile.TemporaryDirectory(prefix="local-ranks-") as out:
+        common = (world_size, free_port(), payload, timeout_s, init_process_group, out)
+        context = mp.start_processes(_entry, common, nprocs=world_size, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(max(0.0, deadline - time.monotonic()), 2.0):
+                if time.monotonic() >= deadline:
+                    alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                    raise TimeoutError(
+                        f"{name}: rank(s) {alive} still running after "
+                        f"{timeout_s:.0f} s (hang?); all processes killed"
+                    )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise RankError(f"{name}: rank {e.error_index} failed: {e}") from None
+        finally:
+            for process in context.processes:
+                process.kill()
+                process.join(timeout=10)
+        return [
+            torch.load(Path(out, f"{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

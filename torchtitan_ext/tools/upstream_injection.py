@@ -1,5 +1,6 @@
 """torchtitan 0.3.0's ``_inject_vision`` alone, the reference the gather must equal
-(``tests/unit/test_vision_bank.py``: bitwise; ``benchmarks/vision_injection.py``)."""
+(``tests/unit/test_vision_bank.py``: bitwise; ``benchmarks/vision_injection.py``):
+just what it reads of its model, projection and norm as identities."""
 
 from torch import nn
 from torchtitan.models.muse_glimmer.model import MuseGlimmerModel as UpstreamModel
@@ -8,9 +9,6 @@ __all__ = ["UpstreamInjection"]
 
 
 class UpstreamInjection(nn.Module):
-    """Just what upstream's injection reads of its model; projection and norm are
-    identities, so only the injection runs."""
-
     _vision_spans = UpstreamModel._vision_spans
     _inject_vision = UpstreamModel._inject_vision
 

@@ -1,7 +1,8 @@
 """Does a trained muse_glimmer read its images? Caption loss, true vs shuffled images.
 
-``python -m torchtitan_ext.tools.vision_probe --checkpoint DIR [--batches N]
-[--heldout-seed S] [--json PATH]``
+``python -m torchtitan_ext.tools.vision_probe --checkpoint DIR`` probes one
+checkpoint; ``--out DIR [--seeds ...] [--jobs ...]`` trains and probes runs over
+seeds (README: "Vision probe over seeds"); runs already in ``DIR`` are not retrained.
 
 The embedded captions are a function of the image (``torchtitan_ext.embedded_data``),
 so a model that learned the vision path predicts caption tokens much better with
@@ -11,10 +12,9 @@ N batches of the job's own ``MMDataLoader`` twice: as they are, and with the
 images moved along one random cycle among those of equal ``grid_thw`` (so the
 placeholder counts stay valid). ``--heldout-seed S`` scores freshly generated
 images no run has seen: the gap then shows that the model reads images rather
-than recognising memorised samples.
+than recognising memorised samples; a run has learned when that gap exceeds
+``--margin``.
 """
-
-from __future__ import annotations
 
 import argparse
 import itertools
@@ -37,7 +37,6 @@ __all__ = [
     "format_result",
     "probe_training_args",
     "run_probe",
-    "seed_checkpoint_args",
     "shuffle_images",
     "take_batches",
 ]
@@ -83,11 +82,6 @@ def _job_args(seed: int, flags: str) -> list[str]:
     )
 
 
-def seed_checkpoint_args(seed: int = 42) -> list[str]:
-    """``run_train.sh`` flags (1 rank, packed TOML) writing the initial weights."""
-    return _job_args(seed, "--checkpoint.enable --checkpoint.create_seed_checkpoint")
-
-
 def probe_training_args(
     *, steps: int, seed_checkpoint: str | Path, fp32: bool, seed: int = 42
 ) -> list[str]:
@@ -121,20 +115,6 @@ def build_probe_job(*, seq_len: int, dataset_path: str | Path | None = None):
     return job
 
 
-def load_probe_model(job, checkpoint: str | Path):
-    """The job's model in fp32 (the default dtype; ``.to`` would drop RoPE's
-    complex cache), weights from the model keys of a DCP checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    model_config = job.model_spec.model
-    model_config.update_from_config(config=job)
-    model = model_config.build()
-    state_dict = model.state_dict()
-    dcp.load(state_dict, checkpoint_id=str(checkpoint))  # names a missing key
-    model.load_state_dict(state_dict, strict=True)
-    return model.eval()
-
-
 def build_probe_dataloader(job, *, batch_size: int):
     """torchtitan's ``MMDataLoader`` from the job's dataloader config, 1 DP rank."""
     if batch_size > job.dataloader.max_images_per_batch:
@@ -155,7 +135,6 @@ def build_probe_dataloader(job, *, batch_size: int):
 
 
 def take_batches(dataloader, n: int) -> list[_Batch]:
-    """The first ``n`` batches of ``dataloader``."""
     batches = list(itertools.islice(dataloader, n))
     if len(batches) < n:
         raise RuntimeError(f"the dataloader ended after {len(batches)} of {n} batches")
@@ -229,12 +208,11 @@ def caption_loss(model, batches: list[_Batch]) -> tuple[float, int]:
                     spatial_merge_size=model.config.vision_encoder.downsample_factor,
                 )
             logits = model(inputs["input"], **kwargs).float()
-            total += F.cross_entropy(
-                logits.flatten(0, 1),
-                labels.flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            ).double()
+            # ignore_index is -100 by default, as the collator's IGNORE_INDEX.
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="sum"
+            )
+            total += loss.double()
             count += int((labels != IGNORE_INDEX).sum())
     return float(total), count
 
@@ -254,6 +232,8 @@ def run_probe(
             f"{checkpoint} is not a DCP checkpoint (no .metadata); pass the "
             "step folder, e.g. <dump_folder>/checkpoint/step-N"
         )
+    import torch.distributed.checkpoint as dcp
+
     from torchtitan_ext import cpu_backend
     from torchtitan_ext.embedded_data import EmbeddedDataConfig, ensure_embedded_assets
 
@@ -267,7 +247,13 @@ def run_probe(
             assets = ensure_embedded_assets(Path(tmp) / "heldout", config=config)
             dataset_path = assets.dataset_dir
         job = build_probe_job(seq_len=seq_len, dataset_path=dataset_path)
-        model = load_probe_model(job, checkpoint)
+        # fp32, the default dtype: ``.to`` would drop RoPE's complex cache.
+        model_config = job.model_spec.model
+        model_config.update_from_config(config=job)
+        model = model_config.build().eval()
+        state_dict = model.state_dict()
+        dcp.load(state_dict, checkpoint_id=str(checkpoint))  # names a missing key
+        model.load_state_dict(state_dict, strict=True)
         # A fresh loader: the dataset's first samples, in file order.
         loader = build_probe_dataloader(job, batch_size=batch_size)
         data = take_batches(loader, batches)
@@ -294,43 +280,140 @@ def run_probe(
 
 
 def format_result(result: ProbeResult) -> str:
-    """A small table of one probe."""
-    rows = [
-        ("true images", f"{result.true_loss:.4f}"),
-        ("shuffled images", f"{result.shuffled_loss:.4f}"),
-        ("difference", f"{result.difference:+.4f}"),
-        ("caption tokens", str(result.n_tokens)),
-        ("samples / images", f"{result.n_samples} / {result.n_images}"),
-        ("images moved", f"{result.moved_fraction:.1%}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"vision probe: {result.checkpoint} ({result.dataset})"]
-    return "\n".join(lines + [f"  {name:<{width}}  {value}" for name, value in rows])
+    rows = {
+        "true images": f"{result.true_loss:.4f}",
+        "shuffled images": f"{result.shuffled_loss:.4f}",
+        "difference": f"{result.difference:+.4f}",
+        "caption tokens": result.n_tokens,
+        "samples / images": f"{result.n_samples} / {result.n_images}",
+        "images moved": f"{result.moved_fraction:.1%}",
+    }
+    lines = [f"  {name:<16}  {value}" for name, value in rows.items()]
+    return "\n".join([f"vision probe: {result.checkpoint} ({result.dataset})", *lines])
+
+
+_SHARDED = " --parallelism.context_parallel_vision sharded"
+# Job name: its TOML file, then extra flags (the ranks follow from both).
+_JOBS = {
+    "fsdp2": "fsdp2.toml",
+    "fsdp2_cp2": "fsdp2_cp2.toml",
+    "fsdp2_cp2_sharded_vision": "fsdp2_cp2.toml" + _SHARDED,
+    "cp2": "cp2.toml",
+    "cp2_sharded_vision": "cp2.toml" + _SHARDED,
+    "packed": "packed.toml",
+    # Reorder controls for FSDP2 x CP2: the same global batch, other rounding.
+    "fsdp2_tp2_sp": "fsdp2.toml --parallelism.tensor_parallel_degree 2",
+    "fsdp2_cp2_headtail": "fsdp2_cp2.toml --parallelism.context_parallel_load_balancer"
+    " headtail",
+}
+_HEADER = (
+    f"seed | {'job':<24} | true emb | shuf emb | gap emb | true held "
+    "| shuf held | gap held | learned"
+)
+
+
+def _trained(out: Path, name: str, job: str, args: list[str], step: int) -> Path:
+    """The run's checkpoint at ``step``, trained unless ``out`` holds it."""
+    from torchtitan_ext.tools.parity import launch
+
+    checkpoint = out / name / "checkpoint" / f"step-{step}"
+    if not (checkpoint / ".metadata").is_file():
+        toml, _, options = _JOBS[job].partition(" ")
+        toml = str(launch.REPO_ROOT / "train_configs" / toml)
+        spec = launch.RunSpec(config_file=toml, options=options)
+        argv = [str(launch.RUN_TRAIN), f"--dump_folder={out / name}"]
+        argv += [*spec.option_args(), *args]
+        log = out / f"{name}.log"
+        record = launch.launch_run(
+            name, spec.job_env(), argv, log, timeout=3600, echo=False
+        )
+        if not record.ok:
+            raise RuntimeError(record.failure())
+    return checkpoint
+
+
+def _format_row(row: dict) -> str:
+    e, h = row["embedded"], row["heldout"]
+    return (
+        f"{row['seed']:>4} | {row['job']:<24} | {e['true_loss']:8.4f} | "
+        f"{e['shuffled_loss']:8.4f} | {e['difference']:+7.4f} | "
+        f"{h['true_loss']:9.4f} | {h['shuffled_loss']:9.4f} | "
+        f"{h['difference']:+8.4f} | {'yes' if row['learned'] else 'no'}"
+    )
+
+
+def _probe_seeds(args: argparse.Namespace, probe: dict[str, Any]) -> dict:
+    """Per seed: a seed checkpoint (1 rank, packed TOML), each job trained from it
+    and probed on the embedded and on held-out images; the report of all runs."""
+    from torchtitan_ext import cpu_backend
+
+    cpu_backend.apply()  # before RunSpec reads a TOML job, which imports torchtitan
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    heldout_seed = HELDOUT_SEED if args.heldout_seed is None else args.heldout_seed
+    rows = []
+    for seed in args.seeds:
+        create = "--checkpoint.enable --checkpoint.create_seed_checkpoint"
+        initial = _trained(out, f"seed{seed}", "packed", _job_args(seed, create), 0)
+        train_args = probe_training_args(
+            steps=args.steps, seed_checkpoint=initial, fp32=args.fp32, seed=seed
+        )
+        for job in args.jobs:
+            checkpoint = _trained(out, f"{job}_seed{seed}", job, train_args, args.steps)
+            embedded = asdict(run_probe(checkpoint, **probe))
+            heldout = asdict(run_probe(checkpoint, heldout_seed=heldout_seed, **probe))
+            learned = heldout["difference"] > args.margin
+            rows.append(dict(seed=seed, job=job, learned=learned, embedded=embedded))
+            rows[-1]["heldout"] = heldout
+            print(_format_row(rows[-1]), flush=True)
+    print("\n".join([_HEADER, *map(_format_row, rows)]))
+    summary = {j: sum(r["learned"] for r in rows if r["job"] == j) for j in args.jobs}
+    for job, learned in summary.items():
+        print(f"{job}: learned the vision path in {learned} of {len(args.seeds)} seeds")
+    return {
+        "steps": args.steps,
+        "precision": "float32" if args.fp32 else "bf16 (job default)",
+        "margin": args.margin,
+        "runs": rows,
+        "learned": summary,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.tools.vision_probe",
         description="Caption-token loss of a muse_glimmer checkpoint with true "
-        "vs shuffled images (CPU, one process).",
+        "vs shuffled images (CPU, one process), or of runs trained over seeds.",
     )
+    mode = parser.add_mutually_exclusive_group(required=True).add_argument
+    mode("--checkpoint", help="DCP folder, e.g. <dump>/checkpoint/step-N")
+    mode("--out", type=Path, help="train over seeds: runs, logs, probe_seeds.json")
     add = parser.add_argument
-    add("--checkpoint", required=True, help="DCP folder, e.g. <dump>/checkpoint/step-N")
     add("--batches", type=int, default=8, help="batches to score")
     add("--batch-size", type=int, default=8, help="samples per batch (at most 8)")
     add("--seq-len", type=int, default=64, help="row length (longest sample ~30)")
     add("--seed", type=int, default=0, help="shuffle generator seed")
     add("--heldout-seed", type=int, help="score fresh images of this generator seed")
-    add("--json", type=Path, help="also write the result here")
-    kwargs = vars(parser.parse_args(argv))
-    json_path = kwargs.pop("json")
-    result = run_probe(**kwargs)
-    print(format_result(result))
-    payload = json.dumps(asdict(result), indent=2)
+    add("--json", type=Path, help="write the result here (--out: DIR/probe_seeds.json)")
+    add = parser.add_argument_group("over seeds (with --out)").add_argument
+    add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    add("--jobs", nargs="+", choices=sorted(_JOBS), default=["fsdp2", "fsdp2_cp2"])
+    add("--steps", type=int, default=150)
+    add("--fp32", action="store_true", help="float32, not bf16")
+    add("--margin", type=float, default=LEARNED_MARGIN, help="held-out gap to learn")
+    args = parser.parse_args(argv)
+    probe = {k: vars(args)[k] for k in ("batches", "batch_size", "seq_len", "seed")}
+    if args.out is not None:
+        report = _probe_seeds(args, probe)
+        json_path = args.json or args.out.resolve() / "probe_seeds.json"
+    else:
+        result = run_probe(args.checkpoint, heldout_seed=args.heldout_seed, **probe)
+        print(format_result(result))
+        report, json_path = asdict(result), args.json
+        print(json.dumps(report, indent=2))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(payload + "\n")
-    print(payload)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -19,9 +19,7 @@ _SIDES = {
 _EPILOG = """\
 Write option strings as --test-options="--a 1 --b 2": argparse takes a separate
 value that starts with -- for a flag of its own. --seed-options must agree with
-the runs on anything that shapes the model. --moment-step N saves both runs'
-state after step N and compares every parameter's AdamW first moment, relative
-to each tensor's largest entry (judged only with --moment-tol)."""
+the runs on anything that shapes the model."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--loss-tol", type=float, help="max |dloss| (default: %(default)s)")
     add("--grad-norm-tol", type=float, help="max |dgrad_norm| (default: %(default)s)")
     add("--exact", action="store_true", help="fail on any difference at all")
-    add("--moment-step", type=int, help="compare first moments after this step")
-    add("--moment-tol", type=float, help="max first-moment error (default: none)")
+    add("--moment-step", type=int, help="compare AdamW first moments after this step")
+    add("--moment-tol", type=float, help="max relative error (default: report only)")
     parser.set_defaults(
         baseline_module=DEFAULT_MODULE,
         baseline_config=DEFAULT_CONFIG,

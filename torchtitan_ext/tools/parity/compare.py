@@ -1,12 +1,24 @@
-"""Two runs' per-step loss and gradient norm: read from TensorBoard, compared."""
+"""Two runs compared: per-step loss and grad_norm from TensorBoard, and every
+parameter's AdamW first moment from their checkpoints.
 
+The loss and the grad norm are two scalars: a bug that moves a few parameters'
+gradients (one image's rows, one module's reduction) can hide in them. The first
+moment after step ``n`` is a decayed sum of the first ``n`` gradients, and DCP
+stores it per parameter at any world size.
+"""
+
+import functools
 import math
 import os
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 # The tags torchtitan's ``MetricsProcessor.log`` writes.
 LOSS_TAG = "loss_metrics/global_avg_loss"
@@ -14,7 +26,7 @@ GRAD_NORM_TAG = "grad_norm"
 TAGS = {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG}  # by RunScalars field
 DEFAULT_LOSS_TOL = 1e-5
 DEFAULT_GRAD_NORM_TOL = 1e-4
-_METRICS = ("loss", "grad_norm")
+_FIRST_MOMENT = ".exp_avg"
 
 # One bound for every step, or a bound per step (every compared step needs one).
 Tolerance = float | Mapping[int, float]
@@ -58,7 +70,7 @@ def read_tb_scalars(tb_folder: str | os.PathLike[str]) -> RunScalars:
     return RunScalars(**values)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class StepRow:
     step: int
     baseline_loss: float
@@ -89,14 +101,9 @@ def per_step_tolerances(
     control: list[StepRow],
     control_factor: float,
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Bounds per step: tight over 1..tight_steps, then from a control comparison.
-
-    AdamW amplifies rounding differences with every step, so a fixed bound at
-    late steps is either blind or flaky. A run of the same math (a reordering
-    only) shows how far rounding alone drifts: from step ``tight_steps + 1`` on,
-    a bound is ``control_factor`` times the control's largest difference so far,
-    never below the tight one; a step the control did not log gets none (fails).
-    """
+    """Bounds per step: tight to ``tight_steps``, then ``control_factor`` times a
+    same-math control's largest difference so far, never below the tight one (README:
+    "How parity is checked" says why); a step the control did not log gets none."""
     by_step = {r.step: r for r in control}
     loss: dict[int, float] = {}
     grad_norm: dict[int, float] = {}
@@ -118,34 +125,14 @@ def _diff(a: float, b: float) -> float:
     return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
 
 
-def _step_set_failures(
-    baseline: RunScalars, test: RunScalars, expected_steps: int | None
-) -> list[str]:
-    failures: list[str] = []
-    for metric in _METRICS:
-        b_steps, t_steps = set(getattr(baseline, metric)), set(getattr(test, metric))
-        if b_steps != t_steps:
-            failures.append(
-                f"{metric} step sets differ: only in baseline "
-                f"{sorted(b_steps - t_steps)}, only in test {sorted(t_steps - b_steps)}"
-            )
-        for side, got in (("baseline", b_steps), ("test", t_steps)):
-            if expected_steps is not None and got != set(range(1, expected_steps + 1)):
-                failures.append(
-                    f"{side} logged {metric} for steps {sorted(got)}, "
-                    f"expected 1..{expected_steps}"
-                )
-    return failures
-
-
 def _tolerance_failures(rows: list[StepRow], metric: str, tol: Tolerance) -> list[str]:
     name = f"{metric}_tol"
     diffs = {r.step: getattr(r, f"d{metric}") for r in rows}
     if not isinstance(tol, Mapping):
         worst = max(diffs.values(), default=0.0)
-        if worst <= tol:
-            return []
-        return [f"max |d{metric}| {worst:.8e} > {name} {tol:.3e}"]
+        return (
+            [] if worst <= tol else [f"max |d{metric}| {worst:.8e} > {name} {tol:.3e}"]
+        )
     return [
         f"step {step}: no {name} given for this step"
         if step not in tol
@@ -171,27 +158,31 @@ def compare(
     steps other than ``1..expected_steps``: a parity claim over missing steps is
     empty.
     """
-    failures = _step_set_failures(baseline, test, expected_steps)
     b, t = baseline, test
-    steps = set(b.loss) & set(t.loss) & set(b.grad_norm) & set(t.grad_norm)
-    rows = [
-        StepRow(
-            step=s,
-            baseline_loss=b.loss[s],
-            test_loss=t.loss[s],
-            dloss=_diff(b.loss[s], t.loss[s]),
-            baseline_grad_norm=b.grad_norm[s],
-            test_grad_norm=t.grad_norm[s],
-            dgrad_norm=_diff(b.grad_norm[s], t.grad_norm[s]),
-        )
-        for s in sorted(steps)
-    ]
+    failures = []
+    for metric in TAGS:
+        b_steps, t_steps = set(getattr(b, metric)), set(getattr(t, metric))
+        if b_steps != t_steps:
+            failures.append(
+                f"{metric} step sets differ: only in baseline "
+                f"{sorted(b_steps - t_steps)}, only in test {sorted(t_steps - b_steps)}"
+            )
+        for side, got in (("baseline", b_steps), ("test", t_steps)):
+            if expected_steps is not None and got != set(range(1, expected_steps + 1)):
+                failures.append(
+                    f"{side} logged {metric} for steps {sorted(got)}, "
+                    f"expected 1..{expected_steps}"
+                )
+    rows = []
+    for s in sorted(set(b.loss) & set(t.loss) & set(b.grad_norm) & set(t.grad_norm)):
+        loss, grad_norm = (b.loss[s], t.loss[s]), (b.grad_norm[s], t.grad_norm[s])
+        rows.append(StepRow(s, *loss, _diff(*loss), *grad_norm, _diff(*grad_norm)))
     if not rows:
         failures.append("no step was logged by both runs")
     failures += [
         f"step {r.step}: {side} {metric} is {value!r}"
         for r in rows
-        for metric in _METRICS
+        for metric in TAGS
         for side in ("baseline", "test")
         if not math.isfinite(value := getattr(r, f"{side}_{metric}"))
     ]
@@ -200,7 +191,7 @@ def compare(
             f"step {r.step}: {m} differs: baseline {getattr(r, f'baseline_{m}')!r}, "
             f"test {getattr(r, f'test_{m}')!r}"
             for r in rows
-            for m in _METRICS
+            for m in TAGS
             if getattr(r, f"d{m}") != 0.0
         ]
     else:
@@ -236,3 +227,88 @@ def format_table(comparison: Comparison) -> str:
             f"max |{name}|".ljust(17) + f"= {'n/a' if v is None else f'{v:.8e}'}"
         )
     return "\n".join(lines)
+
+
+def checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint (any world size) as ``{dotted.key: tensor}``; not cached,
+    as a caller may compare checkpoints it rewrites."""
+    reader = dcp.FileSystemReader(path)
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+@dataclass(kw_only=True, slots=True)
+class MomentComparison:
+    """Per first moment: max |test - baseline| / max |baseline| of the tensor."""
+
+    errors: dict[str, float]
+    tol: float
+    failures: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def max_error(self) -> float | None:
+        return max(self.errors.values(), default=None)
+
+    def summary(self, worst: int = 5) -> dict:
+        errors = self.errors.values()
+        ranked = sorted(self.errors.items(), key=lambda item: -item[1])
+        return {
+            "tol": self.tol,
+            "tensors": len(self.errors),
+            "max_error": self.max_error,
+            "median_error": statistics.median(errors) if errors else None,
+            "worst": dict(ranked[:worst]),
+            "passed": self.passed,
+            "failures": self.failures,
+        }
+
+
+@functools.lru_cache(maxsize=8)
+def _first_moments(path: Path) -> dict[str, torch.Tensor]:
+    """Cached: a suite's baseline is read once for all its tests."""
+    return {
+        k: v for k, v in checkpoint_tensors(path).items() if k.endswith(_FIRST_MOMENT)
+    }
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    error = (got.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    return 0.0 if error == 0.0 else error / scale if scale > 0 else math.inf
+
+
+def compare_first_moments(
+    baseline_checkpoint: Path, test_checkpoint: Path, *, tol: float
+) -> MomentComparison:
+    """Every parameter's first moment in ``test`` within ``tol`` of ``baseline``'s.
+
+    Relative to the baseline tensor's largest entry, so the bound means the
+    same for large and small parameters; a non-finite moment, a moment present
+    on one side only, or no moment at all fails.
+    """
+    ref, got = _first_moments(baseline_checkpoint), _first_moments(test_checkpoint)
+    failures = []
+    if not ref:
+        failures.append(f"no first moments ({_FIRST_MOMENT}) in {baseline_checkpoint}")
+    missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
+    if missing or extra:
+        failures.append(
+            f"first moments differ in keys: only in baseline {missing[:5]}, "
+            f"only in test {extra[:5]}"
+        )
+    errors = {k: _relative_error(got[k], ref[k]) for k in sorted(ref) if k in got}
+    over = sorted(((e, k) for k, e in errors.items() if not e <= tol), reverse=True)
+    for error, key in over[:5]:
+        failures.append(f"first moment {key}: relative error {error:.3e} > {tol:.3e}")
+    if len(over) > 5:
+        failures.append(f"... and {len(over) - 5} more first moments over {tol:.3e}")
+    return MomentComparison(errors=errors, tol=tol, failures=failures)

@@ -1,10 +1,10 @@
 """Launching one ``run_train.sh`` command: what runs, where it logs, how it ends."""
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,17 +48,16 @@ class RunSpec:
             self.config_file = str(Path(self.config_file).resolve())
             if not Path(self.config_file).is_file():
                 raise ValueError(f"config file not found: {self.config_file}")
-        if self.ngpu is None and self.config_file:
-            from torchtitan_ext.config_file import job_ranks, load_job
+            if self.ngpu is None:
+                from torchtitan_ext.config_file import job_ranks, load_job
 
-            job = load_job(["--job.config_file", self.config_file, *self.option_args()])
-            self.ngpu = job_ranks(job)
+                args = ["--job.config_file", self.config_file, *self.option_args()]
+                self.ngpu = job_ranks(load_job(args))
         self.ngpu = 1 if self.ngpu is None else self.ngpu
         if self.ngpu < 1:
             raise ValueError(f"ngpu must be at least 1, got {self.ngpu}")
 
     def job_env(self, ngpu: int | None = None) -> dict[str, str]:
-        """The ``run_train.sh`` variables that select this job."""
         env = {**self.env, "NGPU": str(self.ngpu if ngpu is None else ngpu)}
         if self.config_file:
             return {**env, "CONFIG_FILE": self.config_file}
@@ -98,21 +97,7 @@ def _pump(src: IO[str], log: IO[str], echo: bool) -> None:
     for line in src:
         log.write(line)
         if echo:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """Stop torchrun and all its ranks: they share the session we gave them."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=15)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            print(line, end="", flush=True)
 
 
 def launch_run(
@@ -132,19 +117,15 @@ def launch_run(
     # A copy-pasteable shell line, as loss_compare.py prints them.
     assigns = [f"{k}={shlex.quote(v)}" for k, v in job_env.items()]
     command = " ".join([*assigns, shlex.join(argv)])
+    log_path, job_env, argv = str(log_path), dict(job_env), list(argv)
     record = RunRecord(
-        name=name,
-        command=command,
-        log_path=str(log_path),
-        job_env=dict(job_env),
-        argv=list(argv),
+        name=name, command=command, log_path=log_path, job_env=job_env, argv=argv
     )
     print(f"[parity] {name}: {command}", flush=True)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     start = time.monotonic()
     with open(log_path, "w") as log:
-        log.write(f"# {command}\n")
-        log.flush()
+        print(f"# {command}", file=log, flush=True)
         proc = subprocess.Popen(
             argv,
             env={**env, **job_env},
@@ -162,9 +143,13 @@ def launch_run(
         except subprocess.TimeoutExpired:
             record.timed_out = True
         finally:  # timed out, or interrupted: kill the whole run
-            if record.returncode is None:
-                _kill_group(proc)
-                record.returncode = proc.poll()
+            # torchrun and its ranks share the session we gave them.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if record.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, sig)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        record.returncode = proc.wait(timeout=15)
             pump.join(timeout=30)
     record.wall_s = time.monotonic() - start
     status = f"exit code {record.returncode}"
@@ -175,7 +160,6 @@ def launch_run(
 
 
 def log_tail(path: str, n: int = 40) -> str:
-    """The last ``n`` lines of a run's log, for a failure report."""
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError as e:

@@ -18,35 +18,26 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend)
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from .compare import (  # noqa: E402
+from .compare import (
     DEFAULT_GRAD_NORM_TOL,
     DEFAULT_LOSS_TOL,
     TAGS,
     Comparison,
+    MomentComparison,
     ParityError,
     RunScalars,
     compare,
+    compare_first_moments,
     format_table,
     per_step_tolerances,
     read_tb_scalars,
 )
-from .launch import RUN_TRAIN, RunRecord, RunSpec, launch_run, log_tail  # noqa: E402
-from .moments import MomentComparison, compare_first_moments  # noqa: E402
+from .launch import RUN_TRAIN, RunRecord, RunSpec, launch_run, log_tail
 
-__all__ = [
-    "ParityCase",
-    "ParityResult",
-    "SuiteOptions",
-    "run_parity",
-    "run_parity_suite",
-]
+__all__ = ["ParityCase", "ParityResult", "run_parity", "run_parity_suite"]
 
 _DETERMINISTIC = ["--debug.deterministic", "--debug.seed=42"]
 _FP32 = ["--training.mixed_precision_param", "float32"]
@@ -55,14 +46,10 @@ _FP32 = ["--training.mixed_precision_param", "float32"]
 _CKPT_FOLDER = "checkpoint"
 # A seed checkpoint must be made on one rank, unsharded; a job file may set
 # parallelism degrees for its own world size, so they are reset for the seed.
-_SEED_PARALLELISM = (
-    "--parallelism.data_parallel_replicate_degree=1",
-    "--parallelism.data_parallel_shard_degree=-1",
-    "--parallelism.tensor_parallel_degree=1",
-    "--parallelism.pipeline_parallel_degree=1",
-    "--parallelism.context_parallel_degree=1",
-    "--parallelism.expert_parallel_degree=1",
-)
+_SEED_PARALLELISM = """--parallelism.data_parallel_replicate_degree=1
+--parallelism.data_parallel_shard_degree=-1 --parallelism.tensor_parallel_degree=1
+--parallelism.pipeline_parallel_degree=1 --parallelism.context_parallel_degree=1
+--parallelism.expert_parallel_degree=1""".split()
 # A test's name becomes a folder and a log file name.
 _TEST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -105,16 +92,23 @@ class ParityResult(Comparison):
     checkpoint: Path | None = None
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_hf(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 @dataclass(kw_only=True, slots=True)
-class SuiteOptions:
-    """The keyword arguments of ``run_parity_suite`` and ``run_parity``.
+class _Suite:
+    """The options of ``run_parity_suite``, checked, and the seed and baseline
+    runs its tests share. A test passes with |dloss| <= ``loss_tol`` and
+    |dgrad_norm| <= ``grad_norm_tol`` at every step, or (``exact``) no difference
+    at all; a ``control`` bounds the steps after ``tight_steps``."""
 
-    A test passes with |dloss| <= ``loss_tol`` and |dgrad_norm| <=
-    ``grad_norm_tol`` at every step, or (``exact``) no difference at all; with a
-    ``control``, its bounds after ``tight_steps`` come from that test's
-    differences (``per_step_tolerances``).
-    """
-
+    baseline: RunSpec
     steps: int = 10
     seed_options: str = ""  # extra flags of the seed run (the baseline's job)
     seed_checkpoint: bool | str | os.PathLike[str] = True  # or a step folder
@@ -130,29 +124,14 @@ class SuiteOptions:
     timeout: float | None = None  # per run, s
     launcher: str | os.PathLike[str] | None = None  # instead of run_train.sh
     echo: bool = False  # the runs' output to stdout
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _is_hf(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-@dataclass(kw_only=True, slots=True)
-class _Suite(SuiteOptions):
-    """One suite's options, checked, and the seed and baseline runs it shares."""
-
-    baseline: RunSpec
-    out: Path = Path()
-    load_args: list[str] = field(default_factory=list)  # start from the seed
-    runs: list[RunRecord] = field(default_factory=list)  # seed and baseline
-    failures: list[str] = field(default_factory=list)
-    scalars: RunScalars | None = None  # the baseline's
-    wall_s: float = 0.0  # of the seed and baseline
-    started: float = field(default_factory=time.monotonic)
+    # Not options: what the seed and baseline runs leave for the tests.
+    out: Path = field(init=False)
+    load_args: list[str] = field(init=False, default_factory=list)
+    runs: list[RunRecord] = field(init=False, default_factory=list)
+    failures: list[str] = field(init=False, default_factory=list)
+    scalars: RunScalars | None = field(init=False, default=None)  # the baseline's
+    wall_s: float = field(init=False, default=0.0)  # of the seed and baseline
+    started: float = field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"steps must be at least 1, got {self.steps}")
@@ -178,7 +157,6 @@ class _Suite(SuiteOptions):
         self.launcher = str(Path(self.launcher or RUN_TRAIN).resolve())
 
     def checkpoint_path(self, name: str) -> Path:
-        """Where run ``name`` saved its state after ``moment_step``."""
         return self.out / name / _CKPT_FOLDER / f"step-{self.moment_step}"
 
     def shared_json(self, runs: list[RunRecord]) -> dict:
@@ -259,27 +237,20 @@ def _train(
     """Train ``spec`` for ``steps`` steps into ``<out>/<name>``; read its scalars."""
     if s.moment_step is None:
         # Load the seed, never save: nothing but the scalars is compared.
-        checkpointing = ["--checkpoint.load_only"]
+        checkpointing = "--checkpoint.load_only"
     else:
         # Full state after moment_step; the last step's save is the model only,
         # unless it is that step.
         last = "no-" if steps == s.moment_step else ""
-        checkpointing = [
-            f"--checkpoint.folder={_CKPT_FOLDER}",
-            f"--checkpoint.interval={s.moment_step}",
-            f"--checkpoint.{last}last_save_model_only",
-        ]
-    argv = [
-        *spec.option_args(),
-        *_DETERMINISTIC,
-        "--metrics.enable_tensorboard",
-        "--metrics.log_freq=1",
-        f"--training.steps={steps}",
-        f"--metrics.save_tb_folder=tb_{name}",
-        "--checkpoint.enable",
-        *checkpointing,
-        *s.load_args,
-    ]
+        checkpointing = (
+            f"--checkpoint.folder={_CKPT_FOLDER} --checkpoint.interval="
+            f"{s.moment_step} --checkpoint.{last}last_save_model_only"
+        )
+    flags = (
+        f"--metrics.enable_tensorboard --metrics.log_freq=1 --training.steps={steps}"
+        f" --metrics.save_tb_folder=tb_{name} --checkpoint.enable {checkpointing}"
+    )
+    argv = [*spec.option_args(), *_DETERMINISTIC, *flags.split(), *s.load_args]
     record = _launch(s, name, spec.job_env(), argv)
     if not record.ok:
         return record, None, [record.failure()]
@@ -287,42 +258,6 @@ def _train(
         return record, read_tb_scalars(s.out / name / f"tb_{name}"), []
     except ParityError as e:
         return record, None, [f"{name}: {e}"]
-
-
-def _load_seed_args(seed_path: Path) -> list[str]:
-    return [
-        f"--checkpoint.initial_load_path={seed_path}",
-        "--checkpoint.initial_load_model_only",
-        *(["--checkpoint.initial_load_in_hf"] if _is_hf(seed_path) else []),
-    ]
-
-
-def _run_shared(s: _Suite) -> None:
-    """The seed (unless given or disabled) and the baseline; stops at a failure."""
-    if isinstance(s.seed_checkpoint, Path):
-        s.load_args = _load_seed_args(s.seed_checkpoint)
-    elif s.seed_checkpoint:
-        argv = [
-            *_SEED_PARALLELISM,
-            *shlex.split(s.seed_options),
-            "--checkpoint.create_seed_checkpoint",
-            "--checkpoint.enable",
-            f"--checkpoint.folder={_CKPT_FOLDER}",
-            *_DETERMINISTIC,
-        ]
-        s.runs.append(_launch(s, "seed", s.baseline.job_env(ngpu=1), argv))
-        seed_path = s.out / "seed" / _CKPT_FOLDER / "step-0"
-        if not s.runs[0].ok:
-            s.failures.append(s.runs[0].failure())
-        elif not (seed_path / ".metadata").is_file():
-            s.failures.append(
-                f"seed run succeeded but wrote no checkpoint at {seed_path}"
-            )
-        s.load_args = _load_seed_args(seed_path)
-    if not s.failures:
-        record, s.scalars, s.failures = _train(s, "baseline", s.baseline, s.steps)
-        s.runs.append(record)
-    s.wall_s = time.monotonic() - s.started
 
 
 def _run_test(s: _Suite, name: str, case: ParityCase, control) -> ParityResult:
@@ -345,22 +280,23 @@ def _run_test(s: _Suite, name: str, case: ParityCase, control) -> ParityResult:
         )
     if r.failures:
         return r
-    loss_tol, grad_norm_tol = case.loss_tol, case.grad_norm_tol
+    tols = {"loss_tol": case.loss_tol, "grad_norm_tol": case.grad_norm_tol}
     if case.tight_steps is not None and case.control is not None:
-        loss_tol, grad_norm_tol = per_step_tolerances(
-            loss_tol=loss_tol,
-            grad_norm_tol=grad_norm_tol,
+        per_step = per_step_tolerances(
+            **tols,
             steps=case.steps,
             tight_steps=case.tight_steps,
             control=control.rows,
             control_factor=case.control_factor,
         )
+        tols = dict(zip(tols, per_step, strict=True))
     first = {
         m: {k: v for k, v in getattr(s.scalars, m).items() if k <= case.steps}
-        for m in ("loss", "grad_norm")
+        for m in TAGS
     }
-    tols = {"loss_tol": loss_tol, "grad_norm_tol": grad_norm_tol, "exact": case.exact}
-    c = compare(RunScalars(**first), r.test, **tols, expected_steps=case.steps)
+    c = compare(
+        RunScalars(**first), r.test, **tols, exact=case.exact, expected_steps=case.steps
+    )
     print(f"[parity] baseline vs {name}:\n{format_table(c)}", flush=True)
     r.rows, r.max_dloss, r.max_dgrad_norm = c.rows, c.max_dloss, c.max_dgrad_norm
     r.failures += c.failures
@@ -376,15 +312,14 @@ def _run_test(s: _Suite, name: str, case: ParityCase, control) -> ParityResult:
     return r
 
 
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3e}"
-
-
 def _verdict(name: str, r: ParityResult) -> str:
-    moments = f", first moments {_fmt(r.moments.max_error)}" if r.moments else ""
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3e}"
+
+    moments = f", first moments {fmt(r.moments.max_error)}" if r.moments else ""
     return (
         f"{'PASSED' if r.passed else 'FAILED'} {name} (max |dloss| "
-        f"{_fmt(r.max_dloss)}, max |dgrad_norm| {_fmt(r.max_dgrad_norm)}{moments})"
+        f"{fmt(r.max_dloss)}, max |dgrad_norm| {fmt(r.max_dgrad_norm)}{moments})"
     )
 
 
@@ -399,13 +334,15 @@ def _jsonable(value: Any) -> Any:
     return str(value) if isinstance(value, Path) else value
 
 
-def _write_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(_jsonable(value), indent=2) + "\n")
-
-
-def _test_json(case: ParityCase, r: ParityResult) -> dict:
-    """What the test's report and the suite's summary both say of a test."""
-    return {
+def _write_test_report(
+    s: _Suite, name: str, case: ParityCase, r: ParityResult, wall_s: float
+) -> dict:
+    """``<out>/<name>/parity.json`` (and ``parity.png``) and the verdict; returns
+    what ``suite.json`` says of the test, a part of its report."""
+    r.json_path.parent.mkdir(parents=True, exist_ok=True)
+    if r.png_path:
+        _plot(r, name)
+    entry = {
         "passed": r.passed,
         "failures": r.failures,
         **{k: getattr(case, k) for k in _SETTINGS},
@@ -415,19 +352,10 @@ def _test_json(case: ParityCase, r: ParityResult) -> dict:
         "test": asdict(case.spec),
         "png": r.png_path,
     }
-
-
-def _write_test_report(
-    s: _Suite, name: str, case: ParityCase, r: ParityResult, wall_s: float
-) -> None:
-    """``<out>/<name>/parity.json`` (and ``parity.png``), and the verdict."""
-    r.json_path.parent.mkdir(parents=True, exist_ok=True)
-    if r.png_path:
-        _plot(r, f"parity: baseline vs {name}, {len(r.rows)} steps", name)
     moments = {"step": s.moment_step, **r.moments.summary()} if r.moments else None
     report = {
         "name": name,
-        **_test_json(case, r),
+        **entry,
         "tags": TAGS,
         "moments": moments,
         **s.shared_json(r.runs),
@@ -435,7 +363,7 @@ def _write_test_report(
         # The shared seed and baseline runs count in every test's time.
         "total_wall_s": s.wall_s + wall_s,
     }
-    _write_json(r.json_path, report)
+    r.json_path.write_text(json.dumps(_jsonable(report), indent=2) + "\n")
     bounds = f"loss_tol={case.loss_tol:g}, grad_norm_tol={case.grad_norm_tol:g}"
     if case.control is not None and case.tight_steps is not None:
         bounds += f" to step {case.tight_steps}, then {case.control_factor:g} x "
@@ -446,75 +374,46 @@ def _write_test_report(
     print(f"[parity] {_verdict(name, r)}; {bounds}; summary: {r.json_path}", flush=True)
     for failure in r.failures:
         print(f"[parity]   {failure}", flush=True)
+    test_wall_s = r.runs[-1].wall_s if len(r.runs) > len(s.runs) else None
+    return {**entry, "wall_s": test_wall_s, "json": r.json_path}
 
 
-def _write_suite_summary(
-    s: _Suite, cases: dict[str, ParityCase], results: dict[str, ParityResult]
-) -> None:
-    """``<out>/suite.json`` and a line per test."""
-    tests = {
-        name: {
-            **_test_json(cases[name], r),
-            "wall_s": r.runs[-1].wall_s if len(r.runs) > len(s.runs) else None,
-            "json": r.json_path,
-        }
-        for name, r in results.items()
-    }
-    summary = {
-        "passed": all(r.passed for r in results.values()),
-        "steps": s.steps,
-        "moment_step": s.moment_step,
-        **s.shared_json(s.runs),
-        "failures": s.failures,
-        "tests": tests,
-        "total_wall_s": time.monotonic() - s.started,
-    }
-    _write_json(s.out / "suite.json", summary)
-    passed = sum(r.passed for r in results.values())
-    print(
-        f"[parity] suite: {passed}/{len(results)} passed; "
-        f"summary: {s.out / 'suite.json'}",
-        flush=True,
-    )
-    for name, r in results.items():
-        print(f"[parity]   {_verdict(name, r)}", flush=True)
-
-
-def _plot_differences(ax, steps: list[int], diffs: list[float], label: str) -> None:
-    """|difference| per step on a log axis; exact zeros drawn at a visible floor."""
-    finite = [d for d in diffs if d > 0 and math.isfinite(d)]
-    floor = min(finite) / 10 if finite else 1e-12
-    nonzero = [(s, min(d, 1e300)) for s, d in zip(steps, diffs, strict=True) if d > 0]
-    zeros = [s for s, d in zip(steps, diffs, strict=True) if d == 0]
-    if nonzero:
-        ax.plot(*zip(*nonzero, strict=True), "o-", color="tab:red", label=label)
-    if zeros:
-        zero_label = f"{label} = 0 exactly (drawn at {floor:.0e})"
-        ax.plot(zeros, [floor] * len(zeros), "s", color="tab:green", label=zero_label)
-    ax.set_yscale("log")
-    ax.set_ylabel(label)
-    ax.legend()
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def _plot(result: ParityResult, title: str, test_label: str) -> None:
-    """Loss curves, then |dloss| and |dgrad_norm| per step on log axes."""
-    rows = result.rows
-    steps = [r.step for r in rows]
-    fig, (ax_loss, ax_dloss, ax_dgrad) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    ax_loss.plot(steps, [r.baseline_loss for r in rows], "o-", label="baseline")
-    ax_loss.plot(steps, [r.test_loss for r in rows], "x--", label=test_label)
+def _plot(r: ParityResult, name: str) -> None:
+    """Loss curves, then |dloss| and |dgrad_norm| per step on log axes, exact
+    zeros drawn at a visible floor."""
+    steps = [row.step for row in r.rows]
+    fig = Figure(figsize=(9, 9))
+    ax_loss, *ax_diffs = fig.subplots(3, 1, sharex=True)
+    ax_loss.plot(steps, [row.baseline_loss for row in r.rows], "o-", label="baseline")
+    ax_loss.plot(steps, [row.test_loss for row in r.rows], "x--", label=name)
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title(title)
+    ax_loss.set_title(f"parity: baseline vs {name}, {len(r.rows)} steps")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
-    _plot_differences(ax_dloss, steps, [r.dloss for r in rows], "|dloss|")
-    _plot_differences(ax_dgrad, steps, [r.dgrad_norm for r in rows], "|dgrad_norm|")
-    ax_dgrad.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_dgrad.set_xlabel("step")
+    for ax, metric in zip(ax_diffs, ("dloss", "dgrad_norm"), strict=True):
+        diffs = [getattr(row, metric) for row in r.rows]
+        label = f"|{metric}|"
+        finite = [d for d in diffs if d > 0 and math.isfinite(d)]
+        floor = min(finite) / 10 if finite else 1e-12
+        nonzero = [
+            (s, min(d, 1e300)) for s, d in zip(steps, diffs, strict=True) if d > 0
+        ]
+        zeros = [s for s, d in zip(steps, diffs, strict=True) if d == 0]
+        if nonzero:
+            ax.plot(*zip(*nonzero, strict=True), "o-", color="tab:red", label=label)
+        if zeros:
+            zero_label = f"{label} = 0 exactly (drawn at {floor:.0e})"
+            ax.plot(
+                zeros, [floor] * len(zeros), "s", color="tab:green", label=zero_label
+            )
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+    ax_diffs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_diffs[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(result.png_path, dpi=100)
-    plt.close(fig)
+    fig.savefig(r.png_path, dpi=100)
 
 
 def run_parity_suite(
@@ -523,25 +422,61 @@ def run_parity_suite(
     """Compare several tests with one baseline, trained once from one seed.
 
     A test is a ``RunSpec`` or a :class:`ParityCase`, trained and compared in
-    order; ``options`` are :class:`SuiteOptions`. A failed seed or baseline
+    order; ``options`` are the fields of ``_Suite``. A failed seed or baseline
     fails every test, a failed test only itself; nothing raises: see ``passed``.
     """
     s = _Suite(baseline=baseline, **options)
     cases = _resolve_cases(tests, s)
     s.out.mkdir(parents=True, exist_ok=True)
-    _run_shared(s)
+    # The seed (unless given or disabled) and the baseline; stops at a failure.
+    seed = s.seed_checkpoint
+    if seed is True:
+        argv = [*_SEED_PARALLELISM, *shlex.split(s.seed_options)]
+        argv += ["--checkpoint.create_seed_checkpoint", "--checkpoint.enable"]
+        argv += [f"--checkpoint.folder={_CKPT_FOLDER}", *_DETERMINISTIC]
+        s.runs.append(_launch(s, "seed", s.baseline.job_env(ngpu=1), argv))
+        seed = s.out / "seed" / _CKPT_FOLDER / "step-0"
+        if not s.runs[0].ok:
+            s.failures.append(s.runs[0].failure())
+        elif not (seed / ".metadata").is_file():
+            s.failures.append(f"seed run succeeded but wrote no checkpoint at {seed}")
+    if seed:
+        s.load_args = [
+            f"--checkpoint.initial_load_path={seed}",
+            "--checkpoint.initial_load_model_only",
+            *(["--checkpoint.initial_load_in_hf"] if _is_hf(seed) else []),
+        ]
+    if not s.failures:
+        record, s.scalars, s.failures = _train(s, "baseline", s.baseline, s.steps)
+        s.runs.append(record)
+    s.wall_s = time.monotonic() - s.started
     results: dict[str, ParityResult] = {}
+    entries: dict[str, dict] = {}
     for name, case in cases.items():
         started = time.monotonic()
-        results[name] = _run_test(s, name, case, results.get(case.control))
-        _write_test_report(s, name, case, results[name], time.monotonic() - started)
-    _write_suite_summary(s, cases, results)
+        r = results[name] = _run_test(s, name, case, results.get(case.control))
+        entries[name] = _write_test_report(s, name, case, r, time.monotonic() - started)
+    summary = {
+        "passed": all(r.passed for r in results.values()),
+        "steps": s.steps,
+        "moment_step": s.moment_step,
+        **s.shared_json(s.runs),
+        "failures": s.failures,
+        "tests": entries,
+        "total_wall_s": time.monotonic() - s.started,
+    }
+    path = s.out / "suite.json"
+    path.write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    passed = sum(r.passed for r in results.values())
+    print(f"[parity] suite: {passed}/{len(results)} passed; summary: {path}")
+    for name, r in results.items():
+        print(f"[parity]   {_verdict(name, r)}", flush=True)
     return results
 
 
 def run_parity(baseline: RunSpec, test: RunSpec | None = None, **options):
     """A suite of one test named ``test``, by default the baseline's job without
-    its options; ``options`` are :class:`SuiteOptions`."""
+    its options; ``options`` as for ``run_parity_suite``."""
     if test is None:
         test = dataclasses.replace(baseline, options="")
     return run_parity_suite(baseline, {"test": test}, **options)["test"]

@@ -5,18 +5,14 @@ train_configs/30b_mm_fsdp4_cp4_tp2_sp.toml [--rank R] [--section.key value ...]`
 prints rank R's plan: mesh coordinates, pipeline stage(s), modules, FSDP units
 and the parameters it holds.
 
-Real: the job's config (as ``python -m torchtitan_ext.train`` parses it), the
-plug-in's start-up checks, ``ParallelDims`` and its meshes, the model's modules
-and parameter shapes, and the ModelSpec's ``parallelize_fn`` and
-``pipelining_fn``, called as torchtitan 0.3.0's ``Trainer.__init__`` calls them.
-Simulated: the process group is torch's ``fake`` backend (torchtitan's
-``init_fake_mode``), which answers every collective without moving data, so one
-process stands for any rank of any world size; parameters stay on the meta
-device. torchtitan's own ``--comm.mode fake_backend`` would run the whole
-Trainer (materialized parameters, tokenizer, dataloader, checkpointer, a step:
-GiBs and hours for a 30B_mm rank on a CPU), so this replays ``Trainer.__init__``
-up to the model parts. A process has one default process group:
-``simulated_rank`` owns it for its ``with`` block.
+The config, start-up checks, meshes, model and the ModelSpec's ``parallelize_fn``
+/ ``pipelining_fn`` are the real ones, called as torchtitan 0.3.0's
+``Trainer.__init__`` calls them; the process group is torch's ``fake`` backend
+(torchtitan's ``init_fake_mode``), so one process stands for any rank of any
+world size, and parameters stay on the meta device. torchtitan's own ``--comm.mode
+fake_backend`` would run the whole Trainer (materialized parameters, tokenizer,
+dataloader, a step: GiBs and hours for a 30B_mm rank on a CPU). A process has
+one default process group: ``simulated_rank`` owns it for its ``with`` block.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchtitan_ext import config_file
+from torchtitan_ext.config_file import load_job  # the jobs need no data to plan
 
 if TYPE_CHECKING:  # torchtitan is imported after cpu_backend.apply(), in functions.
     from torch import nn
@@ -61,16 +58,9 @@ class SimulatedRank:
     has_last_stage: bool = True
 
     @property
-    def world_size(self) -> int:
-        return self.parallel_dims.world_size
-
-
-def load_job(args: list[str]):
-    """``config_file.load_job``, the debug jobs' data made as the launcher does."""
-    from torchtitan_ext.embedded_data import ensure_embedded_assets
-
-    ensure_embedded_assets()
-    return config_file.load_job(args)
+    def coordinates(self) -> dict[str, int]:
+        meshes = self.parallel_dims.get_all_one_dimensional_meshes()
+        return {name: mesh.get_local_rank() for name, mesh in meshes.items()}
 
 
 def job_world_size(config) -> int:
@@ -87,19 +77,14 @@ def job_world_size(config) -> int:
 
 @contextlib.contextmanager
 def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
-    """The default process group of a fake world, as ``rank``. DTensor's
-    sharding cache compares meshes by value: a job simulated again would get
-    DTensors on the previous run's destroyed meshes, which FSDP refuses, so the
-    cache is cleared on the way in and out."""
+    """DTensor's sharding cache compares meshes by value: a job simulated again
+    would get DTensors on the previous run's destroyed meshes, which FSDP
+    refuses, so the cache is cleared on the way in and out. (A second default
+    process group is refused by torch.)"""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torchtitan.distributed.utils import init_fake_mode
 
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a process group already exists in this process; the simulated "
-            "cluster needs the default group for its fake world"
-        )
     _clear_sharding_prop_cache()
     init_fake_mode(world_size, rank=rank)
     try:
@@ -111,8 +96,8 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def spmd_backend(name: str):
-    """torchtitan's process-wide SPMD backend set to ``name``, as the Trainer
-    sets it, and restored after."""
+    """torchtitan's process-wide SPMD backend, set as the Trainer sets it and
+    restored after."""
     from torchtitan.distributed import utils as dist_utils
 
     previous = dist_utils.get_spmd_backend()
@@ -127,9 +112,9 @@ def spmd_backend(name: str):
 def simulated_rank(
     config, *, rank: int = 0, world_size: int | None = None
 ) -> Iterator[SimulatedRank]:
-    """Rank ``rank`` of ``config`` (a ``Trainer.Config``, copied) on a fake
-    world, parallelized as the Trainer does, for the ``with`` block."""
+    """Rank ``rank`` of ``config`` (copied) on a fake world, for the ``with`` block."""
     import torch
+    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.config.override import apply_overrides
     from torchtitan.distributed import ParallelDims
@@ -145,7 +130,7 @@ def simulated_rank(
     if isinstance(config, MuseGlimmerTrainer.Config):
         # MuseGlimmerTrainer.init_distributed: before any process group.
         check_job_config(config, world_size)
-    model_spec = config.model_spec
+    spec = config.model_spec
     with (
         _fake_process_group(rank, world_size),
         spmd_backend(config.parallelism.spmd_backend),
@@ -153,100 +138,71 @@ def simulated_rank(
         # Trainer.__init__, in its order, from init_distributed to the model parts.
         parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         parallel_dims.build_mesh()
-        model_config = model_spec.model
-        model_config.update_from_config(config=config)
+        spec.model.update_from_config(config=config)
         if config.override.imports:
             apply_overrides(config.override, config)
         with (
             torch.device("meta"),
             utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]),
         ):
-            model = model_config.build()
+            model = spec.model.build()
         model.verify_module_protocol()
         loss_fn = config.loss.build(compile_config=config.compile)
-        parts, *stages = _parallelized(config, model, parallel_dims, loss_fn)
-        yield SimulatedRank(rank, config, parallel_dims, parts, loss_fn, *stages)
-
-
-def _parallelized(config, model, parallel_dims, loss_fn):
-    """The Trainer's parallelize or pipelining call: (model parts, schedule,
-    whether this rank has the first and the last stage)."""
-    import torch
-    from torchtitan.components.loss import ChunkedLossWrapper
-    from torchtitan.tools import utils
-
-    model_spec = config.model_spec
-    parallelize_kwargs = dict(
-        parallel_dims=parallel_dims,
-        training=config.training,
-        parallelism=config.parallelism,
-        compile_config=config.compile,
-        ac_config=config.activation_checkpoint,
-        dump_folder=config.dump_folder,
-    )
-    if parallel_dims.pp_enabled:
-        schedule, model_parts, has_first, has_last = model_spec.pipelining_fn(
-            model,
-            **parallelize_kwargs,
-            # The Trainer passes its local device; the stages' buffers and
-            # p2p shapes are made on it in the first step, never here.
-            device=torch.device(utils.device_type),
-            model_config=model_spec.model,
-            parallelize_fn=model_spec.parallelize_fn,
-            loss_fn=loss_fn,
+        kwargs = dict(
+            parallel_dims=parallel_dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            compile_config=config.compile,
+            ac_config=config.activation_checkpoint,
+            dump_folder=config.dump_folder,
         )
-    else:
-        model = model_spec.parallelize_fn(model, **parallelize_kwargs)
-        schedule, model_parts, has_first, has_last = None, [model], True, True
-    if isinstance(loss_fn, ChunkedLossWrapper) and has_last:
-        # The Trainer's: the chunked loss applies lm_head, the model skips it.
-        loss_fn.set_lm_head(model_parts[-1].lm_head)
-        model_parts[-1]._skip_lm_head = True
-    return model_parts, schedule, has_first, has_last
-
-
-def _coordinates(parallel_dims) -> dict[str, int]:
-    """This rank's index on each enabled mesh axis."""
-    return {
-        name: mesh.get_local_rank()
-        for name, mesh in parallel_dims.get_all_one_dimensional_meshes().items()
-    }
-
-
-def _local(tensor):
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if parallel_dims.pp_enabled:
+            schedule, parts, has_first, has_last = spec.pipelining_fn(
+                model,
+                **kwargs,
+                # The Trainer passes its local device; the stages' buffers and
+                # p2p shapes are made on it in the first step, never here.
+                device=torch.device(utils.device_type),
+                model_config=spec.model,
+                parallelize_fn=spec.parallelize_fn,
+                loss_fn=loss_fn,
+            )
+        else:
+            schedule, has_first, has_last = None, True, True
+            parts = [spec.parallelize_fn(model, **kwargs)]
+        if isinstance(loss_fn, ChunkedLossWrapper) and has_last:
+            # The Trainer's: the chunked loss applies lm_head, the model skips it.
+            loss_fn.set_lm_head(parts[-1].lm_head)
+            parts[-1]._skip_lm_head = True
+        yield SimulatedRank(
+            rank, config, parallel_dims, parts, loss_fn, schedule, has_first, has_last
+        )
 
 
 def describe(simulated: SimulatedRank) -> str:
     """A few lines on what the rank holds: coordinates, stages, FSDP units, sizes."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    coordinates = ", ".join(
-        f"{name} {index}"
-        for name, index in _coordinates(simulated.parallel_dims).items()
-    )
-    lines = [
-        f"rank {simulated.rank} of {simulated.world_size}: {coordinates or 'alone'}"
-    ]
+    coordinates = ", ".join(f"{n} {i}" for n, i in simulated.coordinates.items())
+    world_size = simulated.parallel_dims.world_size
+    lines = [f"rank {simulated.rank} of {world_size}: {coordinates or 'alone'}"]
     for index, part in enumerate(simulated.model_parts):
         children = [name for name, child in part.named_children() if child is not None]
         units = sum(isinstance(module, FSDPModule) for module in part.modules())
         params = list(part.parameters())
-        local = sum(_local(p).numel() for p in params)
-        total = sum(p.numel() for p in params)
-        devices = sorted({str(_local(p).device) for p in params})
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        devices = sorted({str(p.device) for p in local})
         lines.append(
             f"model part {index}: {', '.join(children)}; {units} FSDP units; "
-            f"{local / 1e9:.3f}B of its {total / 1e9:.3f}B parameters held here, "
+            f"{sum(p.numel() for p in local) / 1e9:.3f}B of its "
+            f"{sum(p.numel() for p in params) / 1e9:.3f}B parameters held here, "
             f"on {', '.join(devices)}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse a job as ``torchtitan_ext.train`` does and print a rank's plan."""
     import argparse
 
     from torchtitan_ext import cpu_backend

@@ -1,20 +1,11 @@
 """Memory planner: a job's memory per rank, measured on a simulated cluster.
 
-``python -m torchtitan_ext.tools.estimate --config-file train_configs/JOB.toml
-[--seq-len N] [--images N] [--vision replicated|sharded] [--section.key value]``
-prints, per rank worth simulating (``planner.ranks_to_plan``), its state, the
-peak forward activations of the decoder and of the vision modules, and the
-step's peak; ``python -m torchtitan_ext.tools.estimate.fit`` finds the smallest
-CP degree at which a job fits given GPU sizes.
-
 Nothing is estimated by formula: each rank is the job's real model, parallelized
 on torch's fake process group (``simulated_cluster``); its batch (``batch``) is
 prepared by the plug-in Trainer's hooks on real tensors, as the measurement
-(``benchmarks/memory_per_rank.py``, compared by ``memory_planner_check.py``)
-prepares it; then one training step runs under ``FakeTensorMode`` inside torch's
-``MemTracker`` / ``FSDPMemTracker`` (``tracker``). The one derived figure is the
-extra microbatches a pipeline stage holds (1F1B, GPipe). What the fake step
-could not run as is, and the fix:
+(``benchmarks/memory_per_rank.py``) prepares it; then one training step runs
+under ``FakeTensorMode`` inside torch's ``MemTracker`` / ``FSDPMemTracker``
+(``tracker``). What the fake step could not run as is, and the fix:
 
 - torchtitan's vision encoder reads ``grid_thw`` on the host
   (``vision_encoder.py:468``, ``DataDependentOutputException``): ``host_values``

@@ -1,9 +1,7 @@
-"""The planner's synthetic batch: rows of text with evenly spaced square images.
-
-The layout is ``benchmarks/memory_per_rank.py``'s (``_harness.synthetic_batch``):
-image ``k``'s placeholders start at ``k * (seq_len // images) + 1``. Token
-values do not change memory: they are random below the placeholder id, the
-vocabulary's last entry (no tokenizer assets needed); pixels are zeros.
+"""The planner's synthetic batch: rows of text with evenly spaced square images,
+laid out as ``benchmarks/memory_per_rank.py``'s. Values do not change memory:
+tokens are random below the placeholder id (the vocabulary's last entry, so no
+tokenizer is needed); pixels are zeros.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ __all__ = ["ImageSize", "image_size", "synthetic_batch"]
 
 @dataclass(frozen=True)
 class ImageSize:
-    """One image of the batch, as the vision encoder sees it."""
-
     tokens: int  # placeholders (feature-bank rows): (side / merge)**2
     side_patches: int  # patches per side
     patch_size: int  # pixels per patch side

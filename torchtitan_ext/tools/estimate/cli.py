@@ -45,45 +45,16 @@ def _parser() -> argparse.ArgumentParser:
     add("--config-file", type=Path, help="the job's TOML file")
     add("--seq-len", type=int, help="training.seq_len")
     add("--images", type=int, default=1, help="images per row (sequence)")
-    add(
-        "--tokens-per-image",
-        type=int,
-        help="placeholders per image, a square (default: the encoder's native "
-        "grid, shrunk until the images fill at most half of a row)",
-    )
+    add("--tokens-per-image", type=int, help="a square (default: native, fitting)")
     add("--vision", choices=MODES, help="parallelism.context_parallel_vision")
     add("--world-size", type=int, help="needed when dp_shard is -1 in the job")
-    add(
-        "--ranks",
-        type=int,
-        nargs="+",
-        help="global ranks to simulate (default: one per pipeline stage; one per "
-        "distinct share of the images with sharded vision)",
-    )
+    add("--ranks", type=int, nargs="+", help="default: one per stage, vision share")
     add("--json", type=Path, help="also write the rows here")
     return parser
 
 
-def job_arguments(own: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """The job's command line: its file, then the planner's own overrides."""
-    args = []
-    if own.config_file is not None:
-        args += ["--job.config_file", str(own.config_file)]
-    if own.seq_len is not None:
-        args += ["--training.seq_len", str(own.seq_len)]
-    if own.vision is not None:
-        args += ["--parallelism.context_parallel_vision", own.vision]
-    return args + overrides
-
-
 def plan_job(
-    config,
-    *,
-    images: int,
-    tokens_per_image: int | None = None,
-    world_size: int | None = None,
-    ranks: list[int] | None = None,
-    log=None,
+    config, *, images: int, tokens_per_image=None, world_size=None, ranks=None
 ):
     """The image size, world size and each planned rank's ``RankEstimate`` for
     ``config`` on rows of ``images`` images, stage by stage."""
@@ -112,22 +83,8 @@ def plan_job(
         )
         boundary = sent or boundary
         estimates.append(estimate)
-        if log is not None:
-            log(f"rank {rank}: {estimate.seconds:.0f} s")
+        print(f"rank {rank}: {estimate.seconds:.0f} s", file=sys.stderr)
     return size, world_size, estimates
-
-
-def _cells(e, unit: int) -> list[str]:
-    sizes = (e.parameters, e.buffers, e.gradients, e.optimizer)
-    sizes += (e.decoder_activations, e.vision_activations, e.retained_activations)
-    return [
-        *map(str, (e.rank, e.coordinates.get("pp", 0), e.coordinates.get("cp", 0))),
-        str(e.images_encoded),
-        *(f"{value / unit:.2f}" for value in sizes),
-        str(e.in_flight),
-        f"{e.measured_peak / unit:.2f}",
-        f"{e.peak / unit:.2f}",
-    ]
 
 
 def table(columns, rows) -> str:
@@ -155,26 +112,32 @@ def describe_job(config, world_size: int, images: int, size) -> str:
     )
 
 
-def report(config, world_size, images, size, estimates) -> str:
+def _report(job: str, estimates) -> str:
     worst = max(estimates, key=lambda e: e.peak)
     unit, name = (GIB, "GiB") if worst.peak >= GIB else (MIB, "MiB")
-    columns = [column.format(unit=name) for column in _COLUMNS]
+    rows = []
+    for e in estimates:
+        sizes = (e.parameters, e.buffers, e.gradients, e.optimizer)
+        sizes += (e.decoder_activations, e.vision_activations, e.retained_activations)
+        where = (e.rank, e.coordinates.get("pp", 0), e.coordinates.get("cp", 0))
+        rows.append(
+            [*map(str, (*where, e.images_encoded))]
+            + [f"{value / unit:.2f}" for value in sizes]
+            + [
+                str(e.in_flight),
+                f"{e.measured_peak / unit:.2f}",
+                f"{e.peak / unit:.2f}",
+            ]
+        )
     breakdown = ", ".join(
         f"{kind} {nbytes / unit:.2f}"
         for kind, nbytes in worst.peak_breakdown.items()
         if nbytes >= unit / 100
     )
-    return "\n".join(
-        [
-            describe_job(config, world_size, images, size),
-            "",
-            table(columns, [_cells(e, unit) for e in estimates]),
-            "",
-            f"Largest peak: rank {worst.rank}, {worst.peak / unit:.2f} {name}; at "
-            f"its measured peak ({name}): {breakdown}.",
-            "",
-            _NOTES,
-        ]
+    return (
+        f"{job}\n\n{table([c.format(unit=name) for c in _COLUMNS], rows)}\n\n"
+        f"Largest peak: rank {worst.rank}, {worst.peak / unit:.2f} {name}; at "
+        f"its measured peak ({name}): {breakdown}.\n\n{_NOTES}"
     )
 
 
@@ -188,8 +151,15 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = _parser()
     own, overrides = parser.parse_known_args(argv)
+    job_args = []  # the planner's own options, before the job's overrides
+    for flag, value in (
+        ("--job.config_file", own.config_file),
+        ("--training.seq_len", own.seq_len),
+        ("--parallelism.context_parallel_vision", own.vision),
+    ):
+        job_args += [] if value is None else [flag, str(value)]
     try:
-        config = load_job(job_arguments(own, overrides))
+        config = load_job(job_args + overrides)
     except ConfigFileError as e:
         parser.error(str(e))
     start = time.perf_counter()
@@ -199,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_image=own.tokens_per_image,
         world_size=own.world_size,
         ranks=own.ranks,
-        log=lambda line: print(line, file=sys.stderr),
     )
-    print(report(config, world_size, own.images, size, estimates))
+    job = describe_job(config, world_size, own.images, size)
+    print(_report(job, estimates))
     print(
         f"\n{len(estimates)} rank(s) simulated in {time.perf_counter() - start:.0f} s"
     )
@@ -211,5 +181,4 @@ def main(argv: list[str] | None = None) -> None:
             for e in estimates
         ]
         own.json.parent.mkdir(parents=True, exist_ok=True)
-        job = describe_job(config, world_size, own.images, size)
         own.json.write_text(json.dumps({"job": job, "rows": rows}, indent=2))

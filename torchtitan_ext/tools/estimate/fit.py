@@ -1,13 +1,10 @@
 """The smallest CP degree at which a job fits each GPU size, by sequence and images.
 
-``python -m torchtitan_ext.tools.estimate.fit --config-file JOB.toml`` plans the
-job at every ``--seq-len`` and ``--images`` per row in both vision modes,
-raising its CP degree through ``--cp`` with dp_shard lowered to keep the world
-size (at CP1 the modes coincide: one plan stands for both), until the peak fits
-the smallest ``--capacity-gb``. A degree fits a capacity when the largest
-per-rank peak is at most that many 10^9 bytes: what the planner does not model
-must fit in the difference to the device's size (80 GB H100: 85.5e9 bytes;
-141 GB H200: 150.7e9). Prints a markdown table; writes every plan to ``--json``.
+Each CP degree keeps the job's world size (dp_shard lowered); at CP1 the two
+vision modes coincide, so one plan stands for both. A degree fits a capacity
+when the largest per-rank peak is at most that many 10^9 bytes: what the
+planner does not model must fit in the difference to the device's size (80 GB
+H100: 85.5e9 bytes; 141 GB H200: 150.7e9).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import GIB, MODES, job_arguments, table
+from .cli import GIB, MODES, describe_job, plan_job, table
 
 __all__ = ["main"]
 
@@ -41,12 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(own, job_args, *, seq_len, images, cp, mode, world_size, dp_shard_cp):
-    """One plan: the job at ``cp`` with dp_shard making up its world size."""
+def _plan(job_args, key: dict, tokens_per_image, world_size, dp_shard_cp) -> dict:
+    """The job at ``key``'s CP degree, with dp_shard making up its world size."""
     from torchtitan_ext.tools.simulated_cluster import load_job
 
-    from .cli import describe_job, plan_job
-
+    seq_len, images, cp = key["seq_len"], key["images"], key["cp"]
     if dp_shard_cp % cp:
         raise ValueError(
             f"CP{cp} does not divide the job's dp_shard x cp, {dp_shard_cp}"
@@ -57,16 +53,16 @@ def _plan(own, job_args, *, seq_len, images, cp, mode, world_size, dp_shard_cp):
             *("--training.seq_len", str(seq_len)),
             *("--parallelism.context_parallel_degree", str(cp)),
             *("--parallelism.data_parallel_shard_degree", str(dp_shard_cp // cp)),
-            *("--parallelism.context_parallel_vision", mode),
+            *("--parallelism.context_parallel_vision", key["vision"]),
         ]
     )
     start = time.perf_counter()
     size, _, estimates = plan_job(
-        config, images=images, tokens_per_image=own.tokens_per_image
+        config, images=images, tokens_per_image=tokens_per_image
     )
     worst = max(estimates, key=lambda e: e.peak)
     return {
-        **dict(seq_len=seq_len, images=images, cp=cp, vision=mode),
+        **key,
         "job": describe_job(config, world_size, images, size),
         "world_size": world_size,
         "dp_shard_cp": dp_shard_cp,
@@ -97,27 +93,26 @@ def main(argv: list[str] | None = None) -> None:
     cpu_backend.apply()
     from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
 
-    own, overrides = _parser().parse_known_args(argv)
-    seq_lens, smallest_bytes = sorted(own.seq_len), min(own.capacity_gb) * 1e9
-    own.seq_len = own.vision = None  # job_arguments' own overrides: set per plan
-    job_args = job_arguments(own, overrides)
+    own, job_args = _parser().parse_known_args(argv)
+    if own.config_file is not None:
+        job_args = ["--job.config_file", str(own.config_file), *job_args]
     job = load_job(job_args)
-    parallelism = job.parallelism
-    sizes = dict(
-        world_size=job_world_size(job),
-        dp_shard_cp=parallelism.data_parallel_shard_degree
-        * parallelism.context_parallel_degree,
+    world_size, parallelism = job_world_size(job), job.parallelism
+    dp_shard_cp = (
+        parallelism.data_parallel_shard_degree * parallelism.context_parallel_degree
     )
+    seq_lens, smallest_bytes = sorted(own.seq_len), min(own.capacity_gb) * 1e9
     plans: list[dict] = []
     for seq_len, images, mode in itertools.product(seq_lens, own.images, MODES):
         for cp in sorted(own.cp):
+            key = dict(seq_len=seq_len, images=images, cp=cp, vision=mode)
             if cp == 1 and mode == "sharded":
-                key = dict(seq_len=seq_len, images=images, cp=1, vision="replicated")
-                same = next(p for p in plans if key.items() <= p.items())
+                replicated = {**key, "vision": "replicated"}.items()
+                same = next(p for p in plans if replicated <= p.items())
                 plan = {**same, "vision": mode, "same_as": "replicated"}
             else:
-                plan = dict(seq_len=seq_len, images=images, cp=cp, mode=mode)
-                plan = _plan(own, job_args, **plan, **sizes)
+                sizes = (own.tokens_per_image, world_size, dp_shard_cp)
+                plan = _plan(job_args, key, *sizes)
             plans.append(plan)
             print(
                 f"seq {seq_len}, {images} images, {mode}, CP{cp}: peak "
@@ -139,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             cells += [_smallest(ran, gb) for gb in own.capacity_gb]
         rows.append(cells)
     print(
-        f"{own.config_file or ' '.join(overrides)}: {sizes['world_size']} ranks, "
-        f"CP raised with dp_shard x cp = {sizes['dp_shard_cp']} kept\n"
+        f"{own.config_file or ' '.join(job_args)}: {world_size} ranks, "
+        f"CP raised with dp_shard x cp = {dp_shard_cp} kept\n"
     )
     print(table(columns, rows))
     print("\nPeak of the largest rank at the smallest fitting CP degree, in GiB.")

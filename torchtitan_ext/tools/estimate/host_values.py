@@ -1,17 +1,12 @@
 """Host-side integer values under ``FakeTensorMode``, so data-dependent code runs.
 
-FakeTensorMode raises on every op whose result depends on values. The plug-in's
-path has none, but torchtitan's vision encoder reads its geometry on the host:
-``assert bool((grid_thw[:, 0] == 1).all())``, ``grid_thw.tolist()`` and
-``idx[idx != -1]`` (a boolean index: ``DynamicOutputShapeException``).
-
-``HostValues`` keeps the real values of integer and boolean tensors (grids,
-token ids, bank indices, positions, block-mask indices): those passed in real,
-and the outputs of ops whose tensor inputs all have known values (or of an
-integer factory op such as ``arange``), which it also runs on the real values;
-where the fake op cannot size its output, the output is a fake of the real
-result. Floating-point tensors are never computed for real. An op that writes
-unknown data into a known tensor makes it unknown.
+FakeTensorMode raises on every op whose result depends on values; torchtitan's
+vision encoder reads its geometry on the host (``grid_thw.tolist()``, a boolean
+index ``idx[idx != -1]``). ``HostValues`` keeps the real values of integer and
+boolean tensors: those passed in real, and the outputs of ops whose inputs all
+have known values (or of an integer factory such as ``arange``), run again on
+the real values. Floating-point tensors are never computed for real; an op
+that writes unknown data into a known tensor makes it unknown.
 """
 
 from __future__ import annotations

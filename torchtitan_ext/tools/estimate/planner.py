@@ -1,15 +1,11 @@
 """One training step of one simulated rank under FakeTensorMode, its memory tracked.
 
-``estimate_rank`` builds the rank (``simulated_cluster.simulated_rank``),
-prepares the batch with the plug-in Trainer's own hooks, before the fake mode
+The batch is prepared by the plug-in Trainer's own hooks before the fake mode
 (the CP mask rewrite and the ptrr balancer read mask values on the host;
-``create_block_mask`` compiles), then under ``FakeTensorMode`` and
-``HostValues`` materializes the parameters (``to_empty``; values do not matter),
-builds the job's optimizer and its state, and runs one step (``_train_step``)
-inside a ``RegionTracker``. Under PP that step is what a single-stage schedule
-runs on this rank for one microbatch; the stage holds ``in_flight`` microbatches'
-activations at once, and the planner adds ``in_flight - 1`` times what one
-microbatch leaves alive after its forward: the only derived figure.
+``create_block_mask`` compiles). Under PP the step is what a single-stage
+schedule runs on this rank for one microbatch; the stage holds ``in_flight``
+microbatches' activations at once, so the planner adds ``in_flight - 1`` times
+what one microbatch leaves alive after its forward: the only derived figure.
 """
 
 from __future__ import annotations
@@ -21,32 +17,18 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchtitan_ext.tools.simulated_cluster import _coordinates, simulated_rank
+from torchtitan_ext.tools.simulated_cluster import simulated_rank
 
 from .host_values import HostValues
 from .tracker import FORWARD_DECODER, FORWARD_VISION, region_tracker
 
-__all__ = [
-    "RankEstimate",
-    "StageBoundary",
-    "estimate_rank",
-    "microbatches_in_flight",
-    "ranks_to_plan",
-]
+__all__ = ["RankEstimate", "estimate_rank", "microbatches_in_flight", "ranks_to_plan"]
 
 # MemTracker's reference types (and FSDPMemTracker's), as the planner sums them.
 _PARAMETERS = ("Parameter", "Sharded Param")
 _BUFFERS = ("Buffer",)
 _GRADIENTS = ("Gradient", "Sharded Grad")
 _OPTIMIZER = ("Optstate", "OptState")
-
-
-@dataclass(frozen=True)
-class StageBoundary:
-    """Shape and dtype of the activation a pipeline stage sends to the next."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -70,14 +52,13 @@ class RankEstimate:
 
     @property
     def peak(self) -> int:
-        """Measured, plus ``in_flight - 1`` microbatches' retained activations."""
         return self.measured_peak + (self.in_flight - 1) * self.retained_activations
 
 
 def ranks_to_plan(config, world_size: int, grid_thw_N3: torch.Tensor) -> list[int]:
-    """Global ranks worth simulating: one per pipeline stage on dp, cp and tp
-    rank 0 (those ranks hold equal bytes); with sharded vision, the first stage
-    also on one CP rank per distinct share size of the images."""
+    """One rank per pipeline stage on dp, cp and tp rank 0 (those ranks hold
+    equal bytes); with sharded vision, the first stage also on one CP rank per
+    distinct share size of the images."""
     from torchtitan_ext.muse_glimmer import cp_vision_share
     from torchtitan_ext.muse_glimmer.trainer import VisionGeometry
 
@@ -145,18 +126,6 @@ def _hooks_trainer(simulated):
     return trainer
 
 
-def _prepared_batch(simulated, batch):
-    """(inputs, labels, kwargs) as the model gets them here, and the images
-    this rank encodes."""
-    trainer = _hooks_trainer(simulated)
-    input_dict, labels = next(trainer.batch_generator([batch]))
-    share = input_dict.get("cp_vision_share")
-    images = len(input_dict["grid_thw"])
-    if share is not None:
-        images = share.image_range[1] - share.image_range[0]
-    return trainer.post_dataloading_process(input_dict, labels), images
-
-
 def _create_optimizer_state(optimizers) -> None:
     """AdamW's moments, as after a first step: zero gradients and one step."""
     for part in optimizers.model_parts:
@@ -166,23 +135,14 @@ def _create_optimizer_state(optimizers) -> None:
     optimizers.zero_grad(set_to_none=True)
 
 
-def _loss(simulated, pred, labels, kwargs):
-    """The job's loss, as ``Trainer._forward_backward_body`` calls it."""
-    from torchtitan.components.loss import IGNORE_INDEX
-
-    global_valid_tokens = (labels != IGNORE_INDEX).sum()  # this rank's count
-    loss_kwargs = {"positions": kwargs["positions"]} if "positions" in kwargs else {}
-    loss, _ = simulated.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
-    return loss
-
-
 def _train_step(
     simulated, train_context, tracker, optimizers, inputs, labels, kwargs, boundary=None
-) -> StageBoundary | None:
+) -> tuple[tuple[int, ...], torch.dtype] | None:
     """``Trainer.train_step``'s body on one batch; under PP, what a single-stage
-    schedule runs on this rank for one microbatch (a later stage's input is
-    ``boundary``, what the previous stage sent), returning what it sends."""
+    schedule runs on this rank for one microbatch. A later stage's input has
+    ``boundary``, the (shape, dtype) the previous stage returned as sent."""
     import spmd_types as spmd
+    from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
     (module,) = simulated.model_parts
@@ -191,17 +151,17 @@ def _train_step(
     with train_context():
         with tracker.in_forward():
             stage_inputs = []
-            if simulated.has_first_stage:
-                output = module(inputs, **kwargs)
-            else:
-                received = torch.empty(boundary.shape, dtype=boundary.dtype)
-                stage_inputs = [received.requires_grad_()]
-                output = module(received, **kwargs)
-            if simulated.has_last_stage:
-                output = _loss(simulated, output, labels, kwargs)
-        sent = (
-            None if stage is None else StageBoundary(tuple(output.shape), output.dtype)
-        )
+            if not simulated.has_first_stage:
+                shape, dtype = boundary
+                inputs = torch.empty(shape, dtype=dtype).requires_grad_()
+                stage_inputs = [inputs]
+            output = module(inputs, **kwargs)
+            if simulated.has_last_stage:  # as Trainer._forward_backward_body
+                positions = {k: v for k, v in kwargs.items() if k == "positions"}
+                output = simulated.loss_fn(  # over this rank's valid tokens
+                    output, labels, (labels != IGNORE_INDEX).sum(), **positions
+                )[0]
+        sent = None if stage is None else (tuple(output.shape), output.dtype)
         tracker.end_forward()
         output_grads = None
         if stage is not None and not simulated.has_last_stage:
@@ -221,38 +181,25 @@ def _train_step(
     if stage is not None:
         del output, output_grads, stage_inputs
         stage.perform_reduce_grad(1)
-    parallel_dims = simulated.parallel_dims
     dist_utils.clip_grad_norm_(
         [p for m in simulated.model_parts for p in m.parameters()],
         simulated.config.training.max_norm,
         foreach=True,
-        pp_mesh=parallel_dims.get_optional_mesh("pp"),
-        ep_enabled=parallel_dims.ep_enabled,
+        pp_mesh=simulated.parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=simulated.parallel_dims.ep_enabled,
     )
     optimizers.step()
     return sent
 
 
-def _vision_modules(model_part) -> list:
-    from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
-
-    modules = (getattr(model_part, fqn, None) for fqn in VISION_MODULE_FQNS)
-    return [module for module in modules if module is not None]
-
-
-def estimate_rank(
-    config,
-    batch,
-    *,
-    rank: int,
-    world_size: int | None = None,
-    boundary: StageBoundary | None = None,
-) -> tuple[RankEstimate, StageBoundary | None]:
-    """Rank ``rank``'s memory in one step of ``config`` (a plug-in job) on one
+def estimate_rank(config, batch, *, rank: int, world_size=None, boundary=None):
+    """Rank ``rank``'s ``RankEstimate`` for one step of ``config`` on one
     microbatch ``batch`` (``synthetic_batch``), and what its PP stage sends
     (``boundary`` of the next stage's estimate)."""
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils
+
+    from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
 
     start = time.perf_counter()
     with simulated_rank(config, rank=rank, world_size=world_size) as simulated:
@@ -269,26 +216,30 @@ def estimate_rank(
                 and config.debug.spmd_typechecking
             ),
         )
-        batch, images_here = _prepared_batch(simulated, batch)
+        trainer = _hooks_trainer(simulated)
+        input_dict, labels = next(trainer.batch_generator([batch]))
+        share = input_dict.get("cp_vision_share")
+        images = len(input_dict["grid_thw"])
+        if share is not None:
+            images = share.image_range[1] - share.image_range[0]
+        batch = trainer.post_dataloading_process(input_dict, labels)
+        vision = [getattr(part, fqn, None) for fqn in VISION_MODULE_FQNS]
+        vision = [module for module in vision if module is not None]
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, HostValues(fake_mode) as host_values:
             batch = host_values.fake(batch)
-            part.to_empty(device=torch.device(utils.device_type))
+            part.to_empty(device=torch.device(utils.device_type))  # values unused
             part.train()
             optimizers = simulated.config.optimizer.build(model_parts=[part])
             _create_optimizer_state(optimizers)
-            vision_modules = _vision_modules(part)
-            tracker = region_tracker(part, optimizers.optimizers, vision_modules)
+            tracker = region_tracker(part, optimizers.optimizers, vision)
             tracker.track_batch(batch)
-            try:
-                with tracker:
-                    before = tracker.live_bytes()
-                    step = (simulated, train_context, tracker, optimizers, *batch)
-                    sent = _train_step(*step, boundary)
-                    after = tracker.live_bytes()
-            finally:
-                tracker.remove_hooks()
-        coordinates = _coordinates(simulated.parallel_dims)
+            with tracker:
+                before = tracker.live_bytes()
+                step = (simulated, train_context, tracker, optimizers, *batch)
+                sent = _train_step(*step, boundary)
+                after = tracker.live_bytes()
+        coordinates = simulated.coordinates
         in_flight = 1
         if simulated.pp_schedule is not None:
             in_flight = microbatches_in_flight(simulated.pp_schedule, coordinates["pp"])
@@ -296,7 +247,7 @@ def estimate_rank(
     estimate = RankEstimate(
         rank=rank,
         coordinates=coordinates,
-        images_encoded=images_here if vision_modules else 0,
+        images_encoded=images if vision else 0,
         parameters=sum(before.get(kind, 0) for kind in _PARAMETERS),
         buffers=sum(before.get(kind, 0) for kind in _BUFFERS),
         gradients=sum(after.get(kind, 0) for kind in _GRADIENTS),

@@ -1,35 +1,30 @@
 """torch's memory trackers, with forward activations filed by model region.
 
 ``MemTracker`` (and its FSDP2 subclass ``FSDPMemTracker``) files every storage
-an op creates, fake tensors included, by kind (parameters, gradients, optimizer
-state, activations, backward temporaries, FSDP's collective buffers) and keeps
-the breakdown at the peak. ``RegionTracker`` adds the forward activations by
-region, as ``benchmarks/memory_per_rank.py`` defines them so the two compare:
-created within ``in_forward()`` outside the autograd engine (the chunked loss
-runs each chunk's backward inside its forward: those are backward temporaries),
-``vision`` while a vision module runs, else ``decoder``; none inside FSDP's
-pre-forward hook (its all-gather output and unsharded parameters are
-parameters: 3.5 GiB of "decoder activations" for the 30B vision encoder's unit
-otherwise).
+an op creates, fake tensors included, by kind and keeps the breakdown at the
+peak. The regions are ``benchmarks/memory_per_rank.py``'s, so the two compare:
+an activation created within ``in_forward()`` outside the autograd engine (the
+chunked loss runs each chunk's backward inside its forward: those are backward
+temporaries) is ``vision`` while a vision module runs, else ``decoder``; none
+inside FSDP's pre-forward hook (its all-gather output and unsharded parameters
+are parameters: 3.5 GiB of "decoder activations" for the 30B vision encoder's
+unit otherwise).
 
 Two changes to the trackers' bookkeeping. DTensor's sharding propagation makes
-fake tensors of the *global* shape in the fake mode it finds active
-(``ShardingPropagator._propagate_tensor_meta_non_cached``), which the trackers
+fake tensors of the *global* shape in the active fake mode, which the trackers
 took for allocations (111 GiB of "activations" in ``clip_grad_norm_`` on the
-30B model): nothing inside that call is tracked. And the chunked loss applies
-``lm_head`` once per chunk; each chunk's backward resets ``ModTracker``'s
-module stack, so the trackers take the next call for a new iteration and raise
-("multiple iterative calls"): a stand-in parent allows it.
-
-The torch names this needs are private (no public API offers these hooks);
-``tests/unit/test_upstream_guards.py`` fails, by name, when torch changes one.
+30B model): nothing inside that call is tracked. And each chunk's backward in
+the chunked loss resets ``ModTracker``'s module stack, so the trackers take
+the next ``lm_head`` call for a new iteration and raise ("multiple iterative
+calls"): a stand-in parent allows it. These private torch names have no
+public equivalent; ``tests/unit/test_upstream_guards.py`` guards each.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -93,16 +88,13 @@ class _Regions:
             super().__exit__(*args)
         finally:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+            for hook in self._hooks:
+                hook.remove()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._untracked:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
     @contextlib.contextmanager
     def in_forward(self) -> Iterator[None]:
@@ -175,10 +167,9 @@ class _Regions:
 
     def live_bytes(self) -> dict[str, int]:
         """Live bytes by kind (``MemTracker``'s reference types), all devices."""
-        live: dict[str, int] = defaultdict(int)
+        live = Counter()
         for snapshot in self.get_tracker_snapshot("current").values():
-            for kind, nbytes in _by_kind(snapshot).items():
-                live[kind] += nbytes
+            live.update(_by_kind(snapshot))
         return dict(live)
 
     def peak_bytes(self) -> tuple[int, dict[str, int]]:

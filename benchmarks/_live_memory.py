@@ -1,20 +1,13 @@
 """Live tensor memory by training phase and model region, from the dispatcher.
 
-``LiveMemory`` is a ``TorchDispatchMode`` that sees every storage an aten op
-creates (freed when the storage dies) and files it under the phase and region
-current at allocation: the phase the caller sets (``forward``, ...), or
-``backward`` while the autograd engine runs; ``vision`` inside the
-``vision_modules`` (module hooks in forward, the autograd nodes they created in
-backward), else ``decoder``. ``attn_scratch``: what an attention kernel (a
-higher-order operator such as flex attention) allocates and frees before it
-returns: the CPU backend's eager kernel materializes [B, H, Lq, Lk] scores a
-fused GPU kernel never stores. Storages resized in place outside the dispatcher
-(FSDP2's unsharded parameters) are not seen.
-
-It is not torch's ``MemTracker`` (which ``tools/estimate/tracker.py`` extends):
-that cannot see inside a higher-order operator's kernel (no scratch column),
-and it files FSDP's all-gather buffers as parameters where this counts them as
-forward allocations (the 3.4 MB decoder gap the README's planner check quotes).
+``LiveMemory`` files every storage an aten op creates (until it dies) under the
+current phase (the caller's, or ``backward`` in the autograd engine) and
+region (``vision`` inside ``vision_modules`` and their autograd nodes, else
+``decoder``); ``attn_scratch`` is what an attention HOP's eager kernel frees
+before it returns (CPU scores a fused GPU kernel never stores). Not torch's
+``MemTracker``: that cannot see into a HOP's kernel and files FSDP's
+all-gather buffers as parameters (the README's 3.4 MB planner gap). Storages
+resized outside the dispatcher (FSDP2's unsharded parameters) are not seen.
 """
 
 import weakref
@@ -69,9 +62,8 @@ def graph_nodes(outputs, stop: set) -> list:
 
 
 class LiveMemory(TorchDispatchMode):
-    """Live (``current``) and peak bytes per ``phase/region`` category;
-    ``peak_total`` is the peak of their sum, ``at_peak`` the categories then.
-    Storages made before the mode (parameters, optimizer state) do not count."""
+    """Live (``current``) and peak bytes per ``phase/region`` category, and
+    ``peak_total`` of their sum; storages made before the mode do not count."""
 
     supports_higher_order_operators = True
 
@@ -82,7 +74,6 @@ class LiveMemory(TorchDispatchMode):
         self.peak: dict[str, int] = defaultdict(int)
         self.total = 0
         self.peak_total = 0
-        self.at_peak: dict[str, int] = {}
         self._live: dict[int, tuple[int, str, weakref.ref]] = {}
         self._vision_depth = 0
         self._vision_nodes: dict[int, object] = {}
@@ -146,9 +137,7 @@ class LiveMemory(TorchDispatchMode):
             self.current[category] += nbytes
             self.total += nbytes
             self.peak[category] = max(self.peak[category], self.current[category])
-            if self.total > self.peak_total:
-                self.peak_total = self.total
-                self.at_peak = {c: b for c, b in self.current.items() if b}
+            self.peak_total = max(self.peak_total, self.total)
 
     def _run_kernel(self, func, args, kwargs):
         """Run an attention HOP's eager kernel: what it allocates is scratch

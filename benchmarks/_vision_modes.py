@@ -1,15 +1,12 @@
 """Replicated and sharded CP vision in one launch, and the bytes the exchange moves.
 
-``set_vision_mode`` switches a built Trainer's mode, read at run time by
-``batch_generator`` (whether a batch gets this rank's share of the images) and
-the model's forward. The vision modules' sharding configs, fixed at build
-time, differ between the modes only in the cp type of activations, the same
-on both sides of every input and output, so no cp redistribution happens in
-either mode; with the spmd_types backend and type checking off the two
-attributes are the whole switch. At CP1 both modes run the replicated path.
-
+``set_vision_mode`` switches a built Trainer: ``batch_generator`` and the
+forward read the mode at run time, and the vision modules' build-time sharding
+differs between modes only in the activations' cp type, alike on both sides
+of every input and output, so with spmd_types and type checking off two
+attributes are the whole switch (at CP1 both modes run the replicated path).
 ``ExchangeBytes`` counts the exchange's collectives through a counting
-stand-in for ``spmd_types._dist`` (its patchable torch.distributed).
+``spmd_types._dist``.
 """
 
 import contextlib
@@ -20,6 +17,7 @@ from unittest import mock
 import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
 from _live_memory import graph_nodes
+from torch.utils._pytree import tree_leaves
 
 VISION_MODES = ("replicated", "sharded")
 
@@ -58,13 +56,10 @@ _COLLECTIVES |= {"reduce_scatter", "reduce_scatter_tensor"}
 
 def _buffer_bytes(args) -> int:
     """The largest buffer among a collective's tensor arguments (a list summed)."""
-    sizes = [0]
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            sizes.append(arg.nbytes)
-        elif isinstance(arg, list | tuple):
-            sizes.append(sum(t.nbytes for t in arg if isinstance(t, torch.Tensor)))
-    return max(sizes)
+    return max(
+        [0]
+        + [sum(t.nbytes for t in tree_leaves(a) if torch.is_tensor(t)) for a in args]
+    )
 
 
 class _CountingDist:
@@ -86,13 +81,9 @@ class _CountingDist:
 
 
 class ExchangeBytes(contextlib.AbstractContextManager):
-    """Bytes the vision exchange's collectives move on this rank, in a ``with``.
-
-    ``buffer_bytes["forward"|"backward"]`` sums, per collective, its whole
-    buffer: the all-gather's output, the reduce-scatter's input (cp padded
-    blocks each). ``wire_bytes`` is what a ring collective sends from (and
-    receives into) each rank: ``(cp - 1) / cp`` of the buffer.
-    """
+    """Bytes the vision exchange's collectives move on this rank in a ``with``:
+    per phase each collective's whole buffer (all-gather output, reduce-scatter
+    input), and what a ring sends per rank (``(cp - 1) / cp`` of it)."""
 
     def __init__(self) -> None:
         self.buffer_bytes: dict[str, int] = defaultdict(int)

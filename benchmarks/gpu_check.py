@@ -1,20 +1,13 @@
 """One CUDA GPU, under 8 minutes, one JSON: what the CPU benchmarks cannot measure.
 
 Each section is a subprocess with a time limit, all within ``--budget-s``; one
-that fails or times out leaves an ``error`` beside what it had saved.
-
-- ``one_rank_plugin`` / ``one_rank_upstream``: ``train_configs/default.toml``
-  against torchtitan's own ``muse_glimmer_debugmodel_mm`` (0.3.0 without #4244:
-  square images, which that bug leaves alone), each a real 1-rank Trainer with
-  compiled flex attention. Per ``--images`` count: tokens/s, peak allocated /
-  reserved memory, then the host syncs of one more step with 4-token images
-  (dynamo does not compile under the recorder, and eager flex attention would
-  materialise 64 large images' scores).
-- ``injection``: ``vision_injection.py`` as is (CPU tensors).
-- ``planned``: ``tools.estimate`` on ``--planner-config-file`` with CUDA hidden.
-- ``real_step``: that job's first planned rank on the fake process group, its
-  shard materialised on the GPU, ``--real-steps`` of the planner's step with
-  their peaks. Fake collectives move no data: memory is real, values are not.
+that fails leaves an ``error`` beside what it had saved (README: "A GPU
+acceptance check"). ``one_rank_*``: ``train_configs/default.toml`` against
+torchtitan's ``muse_glimmer_debugmodel_mm`` (square images, which #4244 leaves
+alone), real 1-rank Trainers with compiled flex attention; their host syncs
+come last, from 4-token images (dynamo does not compile under the recorder,
+and eager flex attention would hold large images' scores). ``real_step``: the
+planned job's first rank on the fake process group, materialised on the GPU.
 
     python benchmarks/gpu_check.py            # outputs/benchmarks/gpu_check.json
     python benchmarks/gpu_check.py --dry-run  # no GPU: jobs built, plan printed
@@ -34,8 +27,10 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # the helpers, also when imported
+import _harness  # benchmarks/, first on sys.path when run as a script
+import torch
+from _harness import REPO
+
 ONE_RANK = {"one_rank_plugin": "plugin", "one_rank_upstream": "upstream"}
 IN_TURN = (*ONE_RANK, "real_step")  # on the GPU, one after another
 BESIDE = ("planned", "injection")  # on the CPU, from the start
@@ -44,15 +39,13 @@ LIMITS_S |= {"planned": 460, "injection": 300}
 SYNC_TOKENS_PER_IMAGE = 4
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add = p.add_argument
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _harness.row_parser(
+        __doc__, seq_len=8192, images=[1, 64], tokens=64, json="gpu_check.json"
+    )
+    add = parser.add_argument
     add("--dry-run", action="store_true", help="build the jobs, print the plan")
-    add("--json", type=Path, default=REPO / "outputs/benchmarks/gpu_check.json")
     add("--budget-s", type=float, default=460, help="for all sections")
-    add("--seq-len", type=int, default=8192)
-    add("--images", type=int, nargs="+", default=[1, 64], help="per row")
-    add("--tokens-per-image", type=int, default=64)
     add("--warmup", type=int, default=2, help="untimed steps per image count")
     add("--steps", type=int, default=10, help="timed steps per image count")
     add("--injection-args", default="--images 1 16 64 --dims 256 6656 --repeats 3")
@@ -62,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--real-steps", type=int, default=2)
     add("--section", choices=IN_TURN, help=argparse.SUPPRESS)
     add("--section-out", type=Path, help=argparse.SUPPRESS)
-    return p
+    return _harness.parse_row(parser, argv)  # the images checked to fit
 
 
 def _plan(args, argv: list[str], folder: Path) -> dict:
@@ -144,10 +137,8 @@ def _ratios(sections: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import _harness
-
-    parser, argv = _parser(), sys.argv[1:] if argv is None else list(argv)
-    args = _harness.parse_degrees(parser, argv)  # the images checked to fit
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse_args(argv)
     if args.section:
         _run_section(args)  # exits
     folder = args.json.parent / "gpu_check_logs"
@@ -155,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(_dry_run(args, plan), indent=2))
         return 0
-    import torch
-
     if not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device; --dry-run runs without one")
     folder.mkdir(parents=True, exist_ok=True)
@@ -178,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_section(args) -> None:
     """A section's worker; what it saves survives its end or a timeout."""
-    from torchtitan_ext import cpu_backend
-
-    cpu_backend.apply()  # a no-op with CUDA: off it, the workers run on the CPU
     saved, tmp = {}, args.section_out.with_suffix(".tmp")
 
     def save(**values) -> None:
@@ -188,6 +174,7 @@ def _run_section(args) -> None:
         tmp.write_text(json.dumps(saved, indent=2))
         tmp.replace(args.section_out)
 
+    save(device=torch.cuda.get_device_name())
     if args.section in ONE_RANK:
         _one_rank(args, ONE_RANK[args.section], save)
     else:
@@ -198,24 +185,17 @@ def _run_section(args) -> None:
     os._exit(0)
 
 
-def _cuda(*calls: str):
-    """``torch.cuda.<call>()`` of each, the last one's result; None without
-    CUDA (a section run by hand on the CPU)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return [getattr(torch.cuda, call)() for call in calls][-1]
-
-
-_RESET_PEAKS = ("synchronize", "empty_cache", "reset_peak_memory_stats")
+def _reset_peaks() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 def _peaks() -> dict:
-    allocated, reserved = _cuda("max_memory_allocated"), _cuda("max_memory_reserved")
-    if allocated is None:
-        return {}
-    return {"max_allocated_bytes": allocated, "max_reserved_bytes": reserved}
+    return {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
 
 
 def _one_rank_job(args, side: str, dump: str) -> list[str]:
@@ -235,17 +215,15 @@ def _one_rank_job(args, side: str, dump: str) -> list[str]:
 
 
 def _one_rank(args, side: str, save) -> None:
-    import _harness
     import host_syncs
-    import torch
     from _vision_modes import with_vision_share
     from torchtitan.models.common.attention import FlexAttention
 
     compiled = hasattr(FlexAttention._compiled_flex_attn, "_torchdynamo_orig_callable")
-    save(side=side, device=_cuda("get_device_name"), flex_compiled=compiled)
+    save(side=side, flex_compiled=compiled)
     with tempfile.TemporaryDirectory() as dump:
         trainer = _harness.build_trainer(_one_rank_job(args, side, dump))
-        recorder = host_syncs.Recorder(trainer)  # counts only under recording
+        recorder = host_syncs.Recorder(trainer)  # counts only in its steps
 
         def batch(images: int, tokens: int):
             return _harness.synthetic_batch(trainer, args.seq_len, images, tokens)
@@ -259,7 +237,7 @@ def _one_rank(args, side: str, save) -> None:
                 row_batch = batch(images, args.tokens_per_image)
                 for _ in range(args.warmup):
                     step(row_batch)
-                _cuda(*_RESET_PEAKS)
+                _reset_peaks()
                 ms = statistics.median(step(row_batch) for _ in range(args.steps))
                 row = {"images": images, "step_ms": ms}
                 rows.append(row | {"tokens_per_s": args.seq_len / ms * 1e3} | _peaks())
@@ -299,7 +277,6 @@ def _planner_job(args):
 
 
 def _real_step(args, save) -> None:
-    import _harness
     from torchtitan.distributed import utils as dist_utils
 
     from torchtitan_ext.tools.estimate import planner
@@ -307,7 +284,7 @@ def _real_step(args, save) -> None:
 
     config, batch, world, rank = _planner_job(args)
     steps = []
-    save(rank=rank, device=_cuda("get_device_name"), steps=steps)
+    save(rank=rank, steps=steps)
     with simulated_rank(config, rank=rank, world_size=world) as simulated:
         hooks = planner._hooks_trainer(simulated)  # on torchtitan's device: cuda
         checked = next(hooks.batch_generator([batch]))  # checked on the CPU
@@ -328,21 +305,19 @@ def _real_step(args, save) -> None:
         untracked = types.SimpleNamespace(
             in_forward=contextlib.nullcontext, end_forward=lambda: None
         )
-        save(allocated_before_step_bytes=_cuda("memory_allocated"))
+        save(allocated_before_step_bytes=torch.cuda.memory_allocated())
         for _ in range(args.real_steps):
-            _cuda(*_RESET_PEAKS)
+            _reset_peaks()
             start = time.perf_counter()
             step_inputs = (optimizers, inputs, labels, kwargs)
             planner._train_step(simulated, context, untracked, *step_inputs)
-            _cuda("synchronize")
+            torch.cuda.synchronize()
             steps.append({"seconds": time.perf_counter() - start} | _peaks())
             save(steps=steps)
 
 
 def _dry_run(args, plan: dict) -> dict:
     """The plan, each job built as its section builds it (short of the model)."""
-    import _harness
-
     with tempfile.TemporaryDirectory() as dump:
         for name, side in ONE_RANK.items():
             config = _harness.load_config(_one_rank_job(args, side, dump))

@@ -1,21 +1,15 @@
 """Host syncs: device-to-host synchronizations in one multimodal training step under CP.
 
-On the real Trainer of a CP job (default ``train_configs/cp2.toml``, 2 ranks),
-``--steps`` steps after ``--warmup`` run under a ``TorchFunctionMode`` that
-records Python-level value reads (``item``, ``tolist``, ``bool()``, ...) and a
-``TorchDispatchMode`` that records data-dependent operators (``nonzero``,
-boolean indexing, ``repeat_interleave`` without ``output_size``, copies to
-the host, ...), also from C++ autograd. Each record goes to its phase, its
-site (the innermost torchtitan or plug-in frame) and its owner (the package
-of the innermost frame that is not a thin torch wrapper).
-
-Blind spots: higher-order op bodies (flex attention) run with the modes popped
-(reported as unrecorded); torch's CP block-mask rewrite compiles
-``create_block_mask`` with ``fullgraph=True``, which cannot trace under a
-Python mode, so it runs eagerly here (same masks). On the CPU backend every
-tensor is on the host, so every value read counts, but ``.to("cpu")`` does
-not (it cannot be told from ``.to(trainer.device)``). Extra arguments are
-torchtitan flags::
+A ``TorchFunctionMode`` records Python value reads (``item``, ``tolist``,
+``bool()``, ...) and a ``TorchDispatchMode`` data-dependent operators
+(``nonzero``, boolean indexing, copies to the host, ...), also from C++
+autograd, each by phase, site (innermost torchtitan or plug-in frame) and
+owner (innermost frame's package, thin torch wrappers skipped), on the real
+Trainer of a CP job (default ``train_configs/cp2.toml``). Blind spots:
+higher-order op bodies (flex attention) run with the modes popped;
+``create_block_mask`` runs eagerly (compiled, it cannot trace under a Python
+mode); on the CPU backend ``.to("cpu")`` is not told from ``.to(device)``.
+Extra arguments are torchtitan flags::
 
     python benchmarks/host_syncs.py
     python benchmarks/host_syncs.py --seq-len 256 --warmup 0
@@ -34,10 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 BATCH_GENERATOR = "batch_generator"
-POST_PROCESS = "post_dataloading_process"
-FORWARD_BACKWARD = "forward+backward"
-REST_OF_STEP = "rest of train_step"
-TARGET_PHASES = (POST_PROCESS, FORWARD_BACKWARD)
+TARGET_PHASES = ("post_dataloading_process", "forward+backward")
 OWNERS = ("torchtitan_ext", "torchtitan", "torch")
 
 _aten = torch.ops.aten
@@ -57,56 +48,44 @@ _TORCH_WRAPPERS += ("torch/utils/_python_dispatch.py", "torch/_ops.py")
 _TORCH_WRAPPERS += ("torch/_dynamo/eval_frame.py", "torch/_compile.py")
 _SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(_harness.__file__)}
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_MARKERS = ("/torchtitan_ext/", "/torchtitan/", "/torch/")
 
 
 class SyncSite(NamedTuple):
     phase: str
     owner: str
     site: str
-    via: str
     op: str
 
 
 def _owner(path: str) -> str | None:
     """The package of ``path``; None for the standard library and ``<...>``."""
-    for marker in _MARKERS:
-        if marker in path:
-            return marker.strip("/")
+    for owner in OWNERS:
+        if f"/{owner}/" in path:
+            return owner
     if path.startswith(("<", _STDLIB)) and "site-packages" not in path:
         return None
     return path.rsplit("site-packages/", 1)[-1].split("/", 1)[0]
 
 
-def _short(path: str, lineno: int, function: str) -> str:
-    for marker in (*_MARKERS, "site-packages/"):
-        if marker in path:
-            path = marker.strip("/") + "/" + path.rsplit(marker, 1)[1]
-            break
-    return f"{path}:{lineno} ({function})"
-
-
 def _attribute(phase: str, op: str) -> SyncSite:
-    """The owner, site and innermost frame of the Python stack issuing ``op``."""
-    owner = site = via = None
+    """The owner and site of the Python stack issuing ``op``."""
+    owner = site = None
     frame = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and site is None:
         path = os.path.abspath(frame.f_code.co_filename).replace(os.sep, "/")
         frame_owner = _owner(path) if path not in _SKIPPED_FILES else None
         if frame_owner is not None and not path.endswith(_TORCH_WRAPPERS):
-            where = _short(path, frame.f_lineno, frame.f_code.co_name)
-            if owner is None:
-                owner, via = frame_owner, where
-            if frame_owner in ("torchtitan_ext", "torchtitan"):
-                site = where
-                break
+            owner = owner or frame_owner
+            if frame_owner in OWNERS[:2]:  # the plug-in or torchtitan
+                short = path.rsplit(f"/{frame_owner}/", 1)[1]
+                site = (
+                    f"{frame_owner}/{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+                )
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     if node is not None:
         op = f"{op} in backward of {node.name()}"
-    return SyncSite(
-        phase, owner or "torch", site or "-", via if via != site else "", op
-    )
+    return SyncSite(phase, owner or "torch", site or "-", op)
 
 
 def _syncs(func, args, kwargs) -> bool:
@@ -132,11 +111,15 @@ def _syncs(func, args, kwargs) -> bool:
 
 
 class _ValueReads(TorchFunctionMode):
-    recorder: "Recorder"
+    """Python-level reads (``tolist`` never reaches the dispatcher)."""
+
+    def __init__(self, recorder: "Recorder") -> None:
+        super().__init__()
+        self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        recorder, name = self.recorder, getattr(func, "__name__", "")
+        kwargs, recorder = kwargs or {}, self.recorder
+        name = getattr(func, "__name__", "")
         reads = name in _VALUE_READS and args and isinstance(args[0], torch.Tensor)
         if recorder.in_value_read or not (
             reads and (recorder.on_host or args[0].device.type != "cpu")
@@ -150,38 +133,21 @@ class _ValueReads(TorchFunctionMode):
             recorder.in_value_read = False
 
 
-class _DataDependentOps(TorchDispatchMode):
-    supports_higher_order_operators = True
-    recorder: "Recorder"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs, recorder = kwargs or {}, self.recorder
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            # Its body runs with this mode popped.
-            recorder.unrecorded[f"{func.name()} (higher-order op body)"] += 1
-            return func(*args, **kwargs)
-        if recorder.phase is not None:
-            recorder.ops_seen[recorder.phase] += 1
-        if not recorder.in_value_read and _syncs(func, args, kwargs):
-            recorder.record(str(func.overloadpacket.__name__))
-        return func(*args, **kwargs)
-
-
-class Recorder:
-    """Sync sites of ``trainer``'s steps, by phase, counted under ``recording``;
+class Recorder(TorchDispatchMode):
+    """Sync sites of ``trainer``'s steps by phase, and the data-dependent ops;
     its ``post_dataloading_process`` and ``fwd_bwd_fn`` are tagged with theirs."""
 
+    supports_higher_order_operators = True  # their bodies run with the mode popped
+
     def __init__(self, trainer) -> None:
+        super().__init__()
         self.counts: collections.Counter[SyncSite] = collections.Counter()
-        self.unrecorded: collections.Counter[str] = collections.Counter()
         self.ops_seen: collections.Counter[str] = collections.Counter()
         self.phase: str | None = None
         self.on_host = trainer.device.type == "cpu"
         self.in_value_read = False
-        for name, phase in (
-            ("post_dataloading_process", POST_PROCESS),
-            ("fwd_bwd_fn", FORWARD_BACKWARD),
-        ):
+        hooks = ("post_dataloading_process", "fwd_bwd_fn")
+        for name, phase in zip(hooks, TARGET_PHASES, strict=True):
             setattr(trainer, name, self._in_phase(phase, getattr(trainer, name)))
 
     def _in_phase(self, phase: str, fn):
@@ -195,21 +161,26 @@ class Recorder:
         if self.phase is not None:
             self.counts[_attribute(self.phase, op)] += 1
 
-    @contextlib.contextmanager
-    def recording(self, on: bool = True):
-        with contextlib.ExitStack() as modes:
-            for mode in (_DataDependentOps(), _ValueReads()) if on else ():
-                mode.recorder = self
-                modes.enter_context(mode)
-            yield
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if self.phase is not None:
+            self.ops_seen[self.phase] += 1
+        if not self.in_value_read and _syncs(func, args, kwargs):
+            self.record(str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
 
     def step(self, trainer, raw_batch, on: bool = True) -> None:
-        """One ``train_step`` of a dataloader batch, ``batch_generator`` first."""
-        with self.recording(on):
+        """One ``train_step`` of a dataloader batch, ``batch_generator`` first;
+        syncs are recorded if ``on``."""
+        with contextlib.ExitStack() as modes:
+            if on:
+                modes.enter_context(self), modes.enter_context(_ValueReads(self))
             with _harness.phase(self, BATCH_GENERATOR):
                 cpu_batch = next(trainer.batch_generator(iter([raw_batch])))
             batch = _harness.to_device(trainer, cpu_batch)
-            with _harness.phase(self, REST_OF_STEP):
+            with _harness.phase(self, "rest of train_step"):
                 _harness.train_step(trainer, batch)
 
 
@@ -234,11 +205,8 @@ def _measure(args, trainer) -> dict:
     loaded = iter(trainer.dataloader)
     for step in range(args.warmup + args.steps):
         recorder.step(trainer, next(loaded), on=step >= args.warmup)
-    return {
-        "counts": [(tuple(site), n) for site, n in recorder.counts.items()],
-        "unrecorded": dict(recorder.unrecorded),
-        "ops_seen": dict(recorder.ops_seen),
-    }
+    counts = [(tuple(site), n) for site, n in recorder.counts.items()]
+    return {"counts": counts, "ops_seen": dict(recorder.ops_seen)}
 
 
 def _report(args, job: dict, results: list[dict]) -> tuple[str, dict]:
@@ -247,11 +215,9 @@ def _report(args, job: dict, results: list[dict]) -> tuple[str, dict]:
         for r in results
     ]
     sites = sorted(
-        set().union(*per_rank),
-        key=lambda s: (s.phase != BATCH_GENERATOR, s.phase, s.owner, s.site, s.op),
+        set().union(*per_rank), key=lambda s: (s.phase != BATCH_GENERATOR, *s)
     )
     rows = [site._asdict() | {"counts": [c[site] for c in per_rank]} for site in sites]
-    by_phase = totals(per_rank)
     in_scope = {  # per owner, each rank's count in the target phases
         owner: [
             sum(
@@ -262,27 +228,21 @@ def _report(args, job: dict, results: list[dict]) -> tuple[str, dict]:
         for owner in sorted({site.owner for site in sites} | set(OWNERS))
     }
     columns = [("phase", "{phase}"), ("owner", "{owner}"), ("site", "`{site}`")]
-    columns.append(("via", lambda r: f"`{r['via']}`" if r["via"] else ""))
     columns.append(("op", "{op}"))
     columns.append(("count per rank", lambda r: ", ".join(map(str, r["counts"]))))
     lines = [
         f"host syncs in {args.steps} instrumented step(s) after {args.warmup} "
         "warm-up step(s)",
-        _harness.row_table(columns, rows, left=[t for t, _ in columns[:-1]]),
+        _harness.table(columns, rows, left=[t for t, _ in columns[:-1]]),
         f"\nIn {' + '.join(TARGET_PHASES)} (per rank), by owner:",
         *(f"- {owner}: {', '.join(map(str, n))}" for owner, n in in_scope.items()),
-        *(
-            f"- not instrumented (rank 0): {calls} call(s) of {what}"
-            for what, calls in results[0]["unrecorded"].items()
-        ),
     ]
     return "\n".join(lines), {
         "ranks": len(per_rank),
         "target_phases": list(TARGET_PHASES),
         "in_target_phases_by_owner": in_scope,
-        "totals": by_phase,
+        "totals": totals(per_rank),
         "rows": rows,
-        "unrecorded_calls": [r["unrecorded"] for r in results],
         "ops_seen": [r["ops_seen"] for r in results],
     }
 

@@ -1,30 +1,26 @@
 """Peak tensor memory per rank of one training step, CP1 vs CP2 vs CP4, by vision mode.
 
-Each CP degree runs on its own gloo ranks (``_harness.run_degrees``: the
-plug-in's Trainer of ``train_configs/packed.toml`` at that CP degree), one
-``train_step`` per measurement on a synthetic row of ``--seq-len`` tokens
-holding ``--images`` images of ``--tokens-per-image`` placeholders, spread
-evenly, in every ``--vision`` mode (``_vision_modes.set_vision_mode`` switches
-the built Trainer); ratios are against CP1 in the same mode (at CP1 the modes
-coincide: measured once). Memory is allocated tensor storage, not RSS
-(``_live_memory.LiveMemory``), by phase and region:
-
-- decoder / vision activations: peak live bytes allocated in forward, without
-  the attention kernel's scratch; total: their sum, on the worst rank;
-- attention scratch: the CPU backend's eager flex kernel's [B, H, Lq, Lk] fp32
-  scores, which a fused GPU kernel never stores (forward or backward peak);
-- step peak: this rank's parameters and optimizer state plus the peak of
-  everything the step allocated (scratch included);
-- exchange (sharded): bytes its collectives move per rank
-  (``_vision_modes.ExchangeBytes``), beside the activation bytes the mode
-  saves. The exchange runs outside the vision modules, so its blocks and the
-  bank count as decoder activations (replicated: the bank is vision's output).
+Each ``--cp`` degree runs on its own ranks (``_harness.run_degrees``), one
+``train_step`` per row and ``--vision`` mode (at CP1 the modes coincide:
+measured once); ratios against CP1. Allocated tensor storage, not RSS
+(``_live_memory.LiveMemory``), by phase and region: activations are the
+forward's peak without attention scratch (the eager CPU flex kernel's
+[B, H, Lq, Lk] scores, which a fused GPU kernel never stores); step peak adds
+parameters and optimizer state; the sharded exchange's bytes per rank
+(``_vision_modes.ExchangeBytes``) stand beside the bytes it saves (it runs
+outside the vision modules: its blocks count as decoder activations).
+``--planned`` plans the measured rows (``--json``, its settings) with
+``torchtitan_ext.tools.estimate`` and prints both, with their ratios.
 
     python benchmarks/memory_per_rank.py                  # table + JSON
     python benchmarks/memory_per_rank.py --seq-len 512 --cp 1 2 --images 1 4
+    python benchmarks/memory_per_rank.py --planned        # planner vs measured
 """
 
 import argparse
+import json
+import sys
+import time
 
 import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
@@ -33,22 +29,16 @@ from _vision_modes import ExchangeBytes, modes_at, set_vision_mode, with_vision_
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    parser = _harness.degree_parser(
-        __doc__,
-        seq_len=8192,
-        cp=[1, 2, 4],
-        images=[1, 16, 64],
-        json="memory_per_rank.json",
-    )
-    args = _harness.parse_degrees(parser, argv)
+    row = dict(seq_len=8192, images=[1, 16, 64], json="memory_per_rank.json")
+    parser = _harness.degree_parser(__doc__, cp=[1, 2, 4], **row)
+    parser.add_argument("--planned", action="store_true", help="plan --json's rows")
+    if "--planned" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(cp=None, images=None)  # every measured row
+        return parser.parse_args(argv)
+    args = _harness.parse_row(parser, argv)
     if args.cp[0] != 1:
-        parser.error(
-            f"--cp must start with 1 (the baseline of the ratios); got {args.cp}"
-        )
+        parser.error(f"--cp must start with 1 (the ratios' baseline); got {args.cp}")
     return args
-
-
-# ---------------------------------------------------------------- worker side
 
 
 def _state_bytes(trainer) -> dict[str, int]:
@@ -112,11 +102,7 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
             )
             for region in ("decoder", "vision")
         },
-        "backward_peak_bytes": {
-            k: v for k, v in peak.items() if k.startswith("backward/")
-        },
         "step_allocated_peak_bytes": tracker.peak_total,
-        "at_step_peak_bytes": tracker.at_peak,
         "state_bytes": _state_bytes(trainer),
         "peak_rss_bytes": peak_rss["fwd_bwd"],
         **exchange.summary(),
@@ -150,9 +136,6 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
             row = measured.get(mode, measured[modes[0]])
             rows.append({"images": images, "vision": mode, **row})
     return rows
-
-
-# ---------------------------------------------------------------- driver side
 
 
 # Rank figures reported (in MiB) on the rank where each is largest.
@@ -190,7 +173,37 @@ def _row(args, cp: int, rank_rows: list[dict]) -> dict:
     }
 
 
-def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
+_COLUMNS = [
+    *(("CP", "{cp}"), ("images", "{images}"), ("vision", "{vision}")),
+    ("vision tokens", "{vision_tokens}"),
+    *(
+        column
+        for name in ("decoder", "vision", "total")
+        for column in (
+            (f"{name} act. MiB", f"{{{name}_activation_mib:.1f}}"),
+            ("vs CP1", f"{{{name}_ratio_vs_cp1:.2f}}x"),
+        )
+    ),
+    (
+        "attn scratch MiB (dec / vis)",
+        "{decoder_attn_scratch_mib:.0f} / {vision_attn_scratch_mib:.0f}",
+    ),
+    ("params+grads+opt MiB", "{state_mib:.1f}"),
+    ("step peak MiB", "{step_peak_mib:.0f}"),
+    ("peak RSS MiB", "{peak_rss_mib:.0f}"),
+]
+# Sharded mode under CP: what the exchange moves beside what it saves.
+_EXCHANGE_COLUMNS = [
+    *(("CP", "{cp}"), ("images", "{images}")),
+    ("all-gather out MiB (fwd)", "{exchange_forward_mib:.2f}"),
+    ("reduce-scatter in MiB (bwd, fp32)", "{exchange_backward_mib:.2f}"),
+    ("ring MiB sent per rank", "{exchange_wire_mib:.2f}"),
+    ("vision act. saved MiB per rank", "{vision_saved_mib:.2f}"),
+    ("total act. saved MiB per rank", "{total_saved_mib:.2f}"),
+]
+
+
+def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
     rows = [
         _row(args, cp, list(rank_rows))
         for cp, ranks in per_cp.items()
@@ -206,63 +219,102 @@ def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
             r[f"{name}_ratio_vs_cp1"] = (
                 r[f"{name}_activation_mib"] / b[f"{name}_activation_mib"]
             )
-        r["vision_share"] = r["vision_activation_mib"] / (
-            r["vision_activation_mib"] + r["decoder_activation_mib"]
-        )
         rep = replicated.get((r["cp"], r["images"]))
         if r["vision"] == "sharded" and rep is not None:
             for name in ("vision", "total"):
                 key = f"{name}_activation_mib"
                 r[f"{name}_saved_mib"] = rep[key] - r[key]
-    return rows
-
-
-def _cells(r: dict) -> list[str]:
-    cells = [str(r["cp"]), str(r["images"]), r["vision"], str(r["vision_tokens"])]
-    for name in ("decoder", "vision", "total"):
-        cells.append(f"{r[f'{name}_activation_mib']:.1f}")
-        cells.append(f"{r[f'{name}_ratio_vs_cp1']:.2f}x")
-    return [
-        *cells,
-        f"{100 * r['vision_share']:.0f}%",
-        f"{r['decoder_attn_scratch_mib']:.0f} / {r['vision_attn_scratch_mib']:.0f}",
-        f"{r['state_mib']:.1f}",
-        f"{r['step_peak_mib']:.0f}",
-        f"{r['peak_rss_mib']:.0f}",
-    ]
-
-
-def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
-    rows = _rows(args, per_cp)
-    columns = [
-        *("CP", "images", "vision", "vision tokens"),
-        *("decoder act. MiB", "vs CP1", "vision act. MiB", "vs CP1"),
-        *("total act. MiB", "vs CP1", "vision share", "attn scratch MiB (dec / vis)"),
-        *("params+grads+opt MiB", "step peak MiB", "peak RSS MiB"),
-    ]
     order = sorted(rows, key=lambda r: (r["images"], r["vision"], r["cp"]))
-    text = _harness.table(columns, map(_cells, order), left=["vision"])
+    text = _harness.table(_COLUMNS, order, left=["vision"])
     if "sharded" not in args.vision or "replicated" not in args.vision:
         return text, rows
-    # Sharded mode under CP: what the exchange moves beside what it saves.
-    columns = [
-        *("CP", "images", "all-gather out MiB (fwd)"),
-        *("reduce-scatter in MiB (bwd, fp32)", "ring MiB sent per rank"),
-        *("vision act. saved MiB per rank", "total act. saved MiB per rank"),
-    ]
-    mib = ("exchange_forward", "exchange_backward", "exchange_wire")
-    mib += ("vision_saved", "total_saved")
-    cells = [
-        [str(r["cp"]), str(r["images"]), *(f"{r[f'{k}_mib']:.2f}" for k in mib)]
+    sharded = [
+        r
         for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
         if r["cp"] > 1 and "vision_saved_mib" in r
     ]
     text += "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank\n"
-    return text + _harness.table(columns, cells), rows
+    return text + _harness.table(_EXCHANGE_COLUMNS, sharded), rows
+
+
+# Each compared figure, from a measured rank (JSON) and from a planned one.
+_MEASURED = {
+    "decoder": lambda r: r["decoder_activation_bytes"],
+    "vision": lambda r: r["vision_activation_bytes"],
+    "state": lambda r: sum(r["state_bytes"].values()),
+}
+_PLANNED = {
+    "decoder": lambda e: e.decoder_activations,
+    "vision": lambda e: e.vision_activations,
+    "state": lambda e: e.parameters + e.gradients + e.optimizer,
+}
+_TITLES = ("decoder act.", "vision act.", "params+grads+opt")
+_PLAN_COLUMNS = [("CP", "{cp}"), ("images", "{images}"), ("vision", "{vision}")]
+for _kind, _title in zip(_PLANNED, _TITLES, strict=True):
+    _PLAN_COLUMNS.append((f"{_title} MiB planned", f"{{planned_mib[{_kind}]:.1f}}"))
+    _PLAN_COLUMNS.append(("measured", f"{{measured_mib[{_kind}]:.1f}}"))
+    _PLAN_COLUMNS.append(("ratio", f"{{ratio[{_kind}]:.3f}}"))
+
+
+def _plan(settings: argparse.Namespace, cp: int, images: int, vision: str):
+    """The planner's estimates of every simulated rank of one setting."""
+    from torchtitan_ext.tools.estimate.cli import plan_job
+
+    job = _harness.degree_job(settings, cp, dump=str(_harness.OUTPUTS.parent))
+    vision_flag = ["--parallelism.context_parallel_vision", vision]
+    config = _harness.load_config(job + vision_flag, settings.layers)
+    tokens = settings.tokens_per_image
+    return plan_job(config, images=images, tokens_per_image=tokens, world_size=cp)[2]
+
+
+def _compare(measured_row: dict, estimates) -> dict:
+    measured = {k: max(map(f, measured_row["ranks"])) for k, f in _MEASURED.items()}
+    planned = {k: max(map(f, estimates)) for k, f in _PLANNED.items()}
+    return {
+        **{k: measured_row[k] for k in ("cp", "images", "vision")},
+        "planned_mib": {k: v / MIB for k, v in planned.items()},
+        "measured_mib": {k: v / MIB for k, v in measured.items()},
+        "ratio": {k: planned[k] / measured[k] for k in planned},
+    }
+
+
+def _planned(args) -> None:
+    """Each measured row beside the planner's, on the rank where each is largest."""
+    measured = json.loads(args.json.read_text())
+    settings = argparse.Namespace(**measured["settings"])
+    cps, images = args.cp or settings.cp, args.images or settings.images
+    rows, start = [], time.perf_counter()
+    for row in measured["rows"]:
+        if row["cp"] not in cps or row["images"] not in images:
+            continue
+        if row["cp"] == 1 and row["vision"] == "sharded":
+            continue  # CP1 runs the replicated path in both modes
+        estimates = _plan(settings, row["cp"], row["images"], row["vision"])
+        rows.append(_compare(row, estimates))
+        print(
+            f"CP{row['cp']} {row['images']} images {row['vision']}: "
+            f"{time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
+    print(
+        f"Planner vs measured ({args.json.name}): seq_len {settings.seq_len}, "
+        f"{settings.tokens_per_image} tokens per image, {settings.layers} decoder "
+        "layers; each figure on the rank where it is largest; activations without "
+        "the eager attention kernel's scratch (measured) / flex attention's fake "
+        "kernel (planned).\n"
+    )
+    print(_harness.table(_PLAN_COLUMNS, rows, left=["vision"]))
+    print(f"\nplanned in {time.perf_counter() - start:.0f} s")
+    out = args.json.with_name(f"{args.json.stem}_planned.json")
+    _harness.write_json(out, {"measured": str(args.json), "rows": rows})
 
 
 def main(argv=None) -> None:
-    _harness.run_degrees(_parse_args(argv), _measure, _report)
+    args = _parse_args(argv)
+    if args.planned:
+        _planned(args)
+    else:
+        _harness.run_degrees(args, _measure, _report)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,24 @@
 """Vision injection: the plug-in's bank-index gather vs torchtitan's span loop.
 
-Forward and backward (from a fixed gradient) of writing ``n`` images' rows into
-a ``[1, seq_len, dim]`` embedding, alternating the two in pairs: torchtitan
-0.3.0's ``_inject_vision`` (one ``.tolist()`` host sync, one slice assignment
-per span) against ``gather_vision_rows`` on the Trainer's bank indices (no
-host sync, autograd's own backward; building the indices is timed apart).
-Also each side's peak of tensor bytes allocated (``_live_memory.LiveMemory``).
-Projection and norm are identities; both write into a non-leaf copy.
+Forward and backward (from a fixed gradient) of writing images' rows into a
+``[1, seq_len, dim]`` embedding, alternated in pairs: torchtitan 0.3.0's
+``_inject_vision`` (a ``.tolist()`` host sync, a slice assignment per span)
+against ``gather_vision_rows`` on bank indices (no host sync, autograd's own
+backward; the index build timed apart), and each side's peak tensor bytes
+(``_live_memory.LiveMemory``). Projection and norm are identities.
 
     python benchmarks/vision_injection.py            # table + JSON
     python benchmarks/vision_injection.py --seq-len 256 --images 1 4 --dims 16
 """
 
-import argparse
 import contextlib
 import statistics
 import time
-from pathlib import Path
+import timeit
 
+import _harness
 import torch
-from _harness import MIB, OUTPUTS, in_pairs, median_pair_ratio, row_table, write_json
+from _harness import MIB
 from _live_memory import LiveMemory
 
 from torchtitan_ext import cpu_backend
@@ -54,13 +53,7 @@ _COLUMNS = [
 
 def _batch(seq_len: int, images: int, tokens_per_image: int):
     """Tokens ``[1, seq_len]`` with evenly spaced spans, and ``grid_thw``."""
-    if images * tokens_per_image > seq_len:
-        raise ValueError(
-            f"{images} images x {tokens_per_image} tokens do not fit seq_len {seq_len}"
-        )
     side = round(tokens_per_image**0.5)
-    if side * side != tokens_per_image:
-        raise ValueError(f"--tokens-per-image must be a square, got {tokens_per_image}")
     tokens_1L = torch.full((1, seq_len), 9, dtype=torch.long)
     stride = seq_len // images
     for image in range(images):
@@ -121,7 +114,7 @@ def _measure(args, dim: int, images: int) -> dict:
             raise AssertionError(
                 f"{name} disagrees with upstream (values or gradients)"
             )
-    runs = in_pairs(
+    runs = _harness.in_pairs(
         {
             name: lambda inject=inject: _forward_backward(inject, tensors)[0]
             for name, inject in sides.items()
@@ -129,31 +122,29 @@ def _measure(args, dim: int, images: int) -> dict:
         args.repeats,
     )
     times = {name: {p: [r[p] for r in runs[name]] for p in PHASES} for name in sides}
-    index_ms = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        index()
-        index_ms.append((time.perf_counter() - start) * 1e3)
+    index_s = timeit.repeat(index, number=1, repeat=args.repeats)
     for phase, tag in PHASES.items():
         for name in sides:
             row[f"{name}{tag}_ms"] = statistics.median(times[name][phase])
-        row[f"speedup{tag}"], row[f"speedup{tag}_quartiles"] = median_pair_ratio(
-            times["upstream"][phase], times["plugin"][phase]
+        row[f"speedup{tag}"], row[f"speedup{tag}_quartiles"] = (
+            _harness.median_pair_ratio(times["upstream"][phase], times["plugin"][phase])
         )
-    row["index_ms"] = statistics.median(index_ms)
+    row["index_ms"] = statistics.median(index_s) * 1e3
     return row
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--images", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser = _harness.row_parser(
+        __doc__,
+        seq_len=8192,
+        images=[1, 16, 64, 256],
+        tokens=16,
+        json="vision_injection.json",
+    )
     parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS.values()))
-    parser.add_argument("--tokens-per-image", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=OUTPUTS / "vision_injection.json")
-    args = parser.parse_args(argv)
+    args = _harness.parse_row(parser, argv)
     torch.set_num_threads(args.threads)
     rows = [_measure(args, dim, images) for dim in args.dims for images in args.images]
     print(
@@ -161,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.repeats}, {args.threads} thread(s); speedup: median (and "
         "quartiles) of the back-to-back pairs' time ratios"
     )
-    print(row_table(_COLUMNS, rows))
-    write_json(args.json, {"args": vars(args), "rows": rows})
+    print(_harness.table(_COLUMNS, rows))
+    _harness.write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

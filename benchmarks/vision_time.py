@@ -1,29 +1,34 @@
-"""Vision time or training step time per rank, sharded vs replicated CP vision.
+"""Vision, step or preprocessing time per CP rank: what the plug-in's CP vision costs.
 
-Sharded vision should cut each CP rank's vision work to its share of the
-images, at the price of one exchange of the projected rows, and must not slow
-a step with few images. Each ``--cp`` degree runs on its own ranks
-(``_harness.run_degrees``); per ``--images`` count each rank times one scope in
-both modes, alternating in pairs, after untimed warm-up passes:
+Sharded vision should cut a rank's vision work to its share of the images at
+the price of one exchange, and not slow a step with few images; the plug-in's
+preprocessing should cost nothing beside a step. ``vision`` and ``step`` run
+each ``--cp`` degree on its ranks (``_harness.run_degrees``) and time both
+modes per ``--images`` count in alternated pairs after warm-up passes (per
+pair the slowest rank; sharded / replicated: median and quartiles of the
+pairs' ratios):
 
-- ``--scope vision``: the vision path alone (encoder, adapter, projection,
-  norm, the exchange, the gather into the embeddings), forward and backward
-  from a fixed gradient, called as ``MuseGlimmerModel.forward`` calls it on
-  the inputs post-processing gives this rank; FSDP as in training, the root
-  unit unsharded before the timed region. CP1 is the reference.
-- ``--scope step``: one real ``Trainer.train_step``, and before it the batch
-  agreement check on the CPU row, timed on its own.
-
-Per pair the slowest rank's time in each mode; the ratio is sharded over
-replicated per pair, its median and quartiles.
+- ``vision``: the vision path (encoder to the gather into the embeddings, the
+  exchange included), forward and backward from a fixed gradient, as
+  ``MuseGlimmerModel.forward`` calls it; the FSDP root unsharded before; CP1
+  (the replicated path alone) for reference.
+- ``step``: one ``Trainer.train_step``, and the batch agreement check apart.
+- ``preprocess``: on a CP job's Trainer (``--config-file``, ``--nproc``;
+  ``_harness.run_job``) per dataloader batch torchtitan's and the plug-in's
+  ``post_dataloading_process`` in alternated pairs on fresh copies (added:
+  their difference per pair, wall and process CPU time, which leaves out other
+  processes), the index build and placeholder check alone, and ``train_step``.
+  Extra arguments are torchtitan flags.
 
     python benchmarks/vision_time.py --scope vision      # table + JSON
     python benchmarks/vision_time.py --scope step --seq-len 512 --cp 2 \\
         --images 1 4 --tokens-per-image 16 --pairs 2 --warmup 0
+    python benchmarks/vision_time.py --scope preprocess --seq-len 256 --steps 2
 """
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -35,30 +40,31 @@ from _vision_modes import VISION_MODES, modes_at, set_vision_mode, with_vision_s
 SCOPES = {
     "vision": (
         ("forward_ms", "backward_ms", "total_ms"),
-        dict(seq_len=8192, cp=[1, 2, 4], images=[64], tokens_per_image=64, pairs=7),
+        dict(seq_len=8192, cp=[1, 2, 4], images=[64], tokens=64, pairs=7),
     ),
     "step": (
         ("agreement_ms", "step_ms"),
-        dict(seq_len=2048, cp=[2, 4], images=[1, 64], tokens_per_image=16, pairs=5),
+        dict(seq_len=2048, cp=[2, 4], images=[1, 64], tokens=16, pairs=5),
     ),
+    "preprocess": ((), dict(pairs=7)),
 }
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
+def _parser(argv) -> tuple[argparse.ArgumentParser, str]:
     scope = argparse.ArgumentParser(add_help=False)
     scope.add_argument("--scope", choices=SCOPES, default="vision")
     known, _ = scope.parse_known_args(argv)
+    json = f"vision_time_{known.scope}.json"
     defaults = dict(SCOPES[known.scope][1])
     pairs = defaults.pop("pairs")
-    parser = _harness.degree_parser(
-        __doc__, **defaults, json=f"vision_time_{known.scope}.json"
-    )
+    if known.scope == "preprocess":
+        parser = _harness.job_parser(__doc__, json, steps=5)
+    else:
+        parser = _harness.degree_parser(__doc__, **defaults, json=json)
+        parser.add_argument("--warmup", type=int, default=1, help="untimed passes")
     parser.add_argument("--scope", choices=SCOPES, default="vision")
-    parser.add_argument("--pairs", type=int, default=pairs)
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="untimed passes per mode and images"
-    )
-    return _harness.parse_degrees(parser, argv)
+    parser.add_argument("--pairs", type=int, default=pairs, help="alternated pairs")
+    return parser, known.scope
 
 
 def _vision_pass(trainer, model_inputs, h0_BLD, grad_BLD) -> dict[str, float]:
@@ -164,72 +170,50 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     return rows
 
 
-def _rows(args, per_cp: dict[int, list[list[dict]]]) -> list[dict]:
-    """Per CP and images, each mode's median over pairs of the slowest rank's
+def _row(args, cp: int, rank_rows: list[dict]) -> dict:
+    """One CP and images: each mode's median over pairs of the slowest rank's
     times, and sharded over replicated per pair of the last phase."""
     phases, _ = SCOPES[args.scope]
-    total = phases[-1]
-    rows = []
-    for cp, ranks in per_cp.items():
-        for rank_rows in zip(*ranks, strict=True):  # one images count, every rank
-            images = rank_rows[0]["images"]
-            row = {"cp": cp, "images": images}
-            row["vision_tokens"] = images * args.tokens_per_image
-            slowest = {
-                (mode, phase): [
-                    max(rank[phase] for rank in pair)
-                    for pair in zip(*(r["times"][mode] for r in rank_rows), strict=True)
-                ]
-                for mode in rank_rows[0]["times"]
-                for phase in phases
-            }
-            row |= {f"{m}_{p}": statistics.median(t) for (m, p), t in slowest.items()}
-            if ("sharded", total) in slowest:
-                row["sharded_ratio"], row["sharded_ratio_quartiles"] = (
-                    _harness.median_pair_ratio(
-                        slowest["sharded", total], slowest["replicated", total]
-                    )
-                )
-            if "replicated_agreement_ms" in row:
-                agreement_ms = row["replicated_agreement_ms"]
-                row["agreement_pct_of_step"] = (
-                    100 * agreement_ms / row[f"replicated_{total}"]
-                )
-            row["image_ranges"] = [r.get("image_range") for r in rank_rows]
-            rows.append(row | {"ranks": rank_rows})
-    base = {r["images"]: r for r in rows if r["cp"] == 1}
-    for r in rows:
-        for mode in args.vision:
-            if r["images"] in base and f"{mode}_{total}" in r:
-                reference = base[r["images"]][f"replicated_{total}"]
-                r[f"{mode}_vs_cp1"] = r[f"{mode}_{total}"] / reference
-    return rows
-
-
-def _cell(key: str, spec: str):
-    """A column: ``row[key]`` (a list: its items) through ``spec``; "-" if none."""
-
-    def cell(row: dict) -> str:
-        value = row.get(key)
-        if value is None:
-            return "-"
-        return spec.format(*value) if isinstance(value, list) else spec.format(value)
-
-    return cell
+    total, images = phases[-1], rank_rows[0]["images"]
+    row = {"cp": cp, "images": images, "vision_tokens": images * args.tokens_per_image}
+    slowest = {
+        (mode, phase): [
+            max(rank[phase] for rank in pair)
+            for pair in zip(*(r["times"][mode] for r in rank_rows), strict=True)
+        ]
+        for mode in rank_rows[0]["times"]
+        for phase in phases
+    }
+    row |= {f"{m}_{p}": statistics.median(t) for (m, p), t in slowest.items()}
+    if ("sharded", total) in slowest:
+        row["sharded_ratio"], row["sharded_ratio_quartiles"] = (
+            _harness.median_pair_ratio(
+                slowest["sharded", total], slowest["replicated", total]
+            )
+        )
+    if "replicated_agreement_ms" in row:
+        agreement_ms = row["replicated_agreement_ms"]
+        row["agreement_pct_of_step"] = 100 * agreement_ms / row[f"replicated_{total}"]
+    row["image_ranges"] = [r.get("image_range") for r in rank_rows]
+    return row | {"ranks": rank_rows}
 
 
 def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
-    rows = _rows(args, per_cp)
     phases, _ = SCOPES[args.scope]
+    rows = [
+        _row(args, cp, rank_rows)
+        for cp, ranks in per_cp.items()
+        for rank_rows in zip(*ranks, strict=True)  # one images count, every rank
+    ]
     columns = [("CP", "{cp}"), ("images", "{images}")]
     columns.append(("vision tokens", "{vision_tokens}"))
     for mode in VISION_MODES:
         for phase in phases if args.scope == "vision" else phases[-1:]:
             title = f"{mode} {phase.removesuffix('_ms')} ms"
-            columns.append((title, _cell(f"{mode}_{phase}", "{:.1f}")))
-        columns.append(("vs CP1", _cell(f"{mode}_vs_cp1", "{:.2f}x")))
-    columns.append(("sharded / replicated", _cell("sharded_ratio", "{:.2f}x")))
-    columns.append(("quartiles", _cell("sharded_ratio_quartiles", "{:.2f}-{:.2f}x")))
+            columns.append((title, f"{{{mode}_{phase}:.1f}}"))
+    columns.append(("sharded / replicated", "{sharded_ratio:.2f}x"))
+    quartiles = "{sharded_ratio_quartiles[0]:.2f}-{sharded_ratio_quartiles[1]:.2f}x"
+    columns.append(("quartiles", quartiles))
     if args.scope == "step":
         columns.append(("batch agreement ms", "{replicated_agreement_ms:.2f}"))
         columns.append(("% of step", "{agreement_pct_of_step:.3f}%"))
@@ -240,11 +224,135 @@ def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]
         "(and quartiles) of the alternated pairs' ratios"
     )
     order = sorted(rows, key=lambda r: (r["images"], r["cp"]))
-    return header + "\n" + _harness.row_table(columns, order), rows
+    return header + "\n" + _harness.table(columns, order), rows
+
+
+def _preprocess_step(trainer, cpu_batch, pairs: int) -> dict:
+    """Both post-processings, the index build and the check on one batch."""
+    from torchtitan.trainer import Trainer
+
+    from torchtitan_ext.muse_glimmer import (
+        build_vision_bank_indices,
+        check_vision_placeholders,
+    )
+
+    batch = _harness.to_device(trainer, cpu_batch)
+    input_dict, cpu_dict = batch[0], cpu_batch[0]
+    if input_dict.get("grid_thw") is None:
+        raise ValueError("a batch without images; the benchmark needs multimodal data")
+    image_id = input_dict["special_tokens"]["image_id"]
+    merge = trainer.model_config.vision_encoder.downsample_factor
+
+    def on_images(fn, tokens_dict=input_dict):
+        tokens, grid_thw = tokens_dict["input"], tokens_dict["grid_thw"]
+        return fn(tokens, grid_thw, image_id=image_id, spatial_merge_size=merge)
+
+    def post(fn, *first):  # wall and CPU ms of fn on a fresh copy of the batch
+        return lambda: _harness.timed_ms(
+            trainer, fn, *first, *_harness.clone_batch(batch)
+        )
+
+    sides = {
+        "upstream": post(Trainer.post_dataloading_process, trainer),
+        "plugin": post(trainer.post_dataloading_process),
+    }
+    up, plug = _harness.in_pairs(sides, pairs).values()
+    added, added_cpu = (
+        [p[i] - u[i] for u, p in zip(up, plug, strict=True)] for i in (0, 1)
+    )
+    index_ms = [
+        _harness.timed_ms(trainer, on_images, build_vision_bank_indices)[0]
+        for _ in range(pairs)
+    ]
+    check_ms, _ = _harness.timed_ms(
+        trainer, on_images, check_vision_placeholders, cpu_dict
+    )
+    return {
+        "images": len(cpu_dict["grid_thw"]),
+        "image_tokens": int((cpu_dict["input"] == image_id).sum()),
+        "upstream_post_ms": statistics.median(ms for ms, _ in up),
+        "plugin_post_ms": statistics.median(ms for ms, _ in plug),
+        "added_ms": statistics.median(added),
+        "added_ms_pairs": added,
+        "added_cpu_ms": statistics.median(added_cpu),
+        "added_cpu_ms_pairs": added_cpu,
+        "index_ms": statistics.median(index_ms),
+        "check_ms": check_ms,
+        "step_ms": _harness.train_step(trainer, batch),
+    }
+
+
+_MEDIANS = ("upstream_post_ms", "plugin_post_ms", "added_ms", "added_cpu_ms")
+_MEDIANS += ("index_ms", "check_ms", "step_ms")
+
+
+def _preprocess(args, trainer) -> dict:
+    """This rank's steps, their medians and the medians' share of the step."""
+    batches = trainer.batch_generator(trainer.dataloader)
+    steps = [
+        _preprocess_step(trainer, next(batches), args.pairs)
+        for _ in range(args.warmup + args.steps)
+    ][args.warmup :]
+    median = {key: statistics.median(step[key] for step in steps) for key in _MEDIANS}
+    pct = {
+        "added": median["added_ms"],
+        "added_with_check": median["added_ms"] + median["check_ms"],
+        "added_cpu": median["added_cpu_ms"],
+        "index": median["index_ms"],
+    }
+    return {
+        "rank": torch.distributed.get_rank(),
+        **median,
+        **{f"{k}_pct_of_step": 100 * ms / median["step_ms"] for k, ms in pct.items()},
+        **{
+            f"{key}_quartiles_all_pairs": statistics.quantiles(
+                [pair for step in steps for pair in step[f"{key}_pairs"]], n=4
+            )
+            for key in ("added_ms", "added_cpu_ms")
+        },
+        "steps": steps,
+    }
+
+
+# "q1 / median / q3" of all pairs' added time; .format(key) gives the cell.
+_QUARTILES = " / ".join(f"{{{{{{0}}_quartiles_all_pairs[{i}]:.2f}}}}" for i in range(3))
+_PREPROCESS_COLUMNS = [
+    ("rank", "{rank}"),
+    ("upstream post ms", "{upstream_post_ms:.2f}"),
+    ("plug-in post ms", "{plugin_post_ms:.2f}"),
+    ("added ms", "{added_ms:.2f}"),
+    ("added CPU ms", "{added_cpu_ms:.2f}"),
+    ("index build ms", "{index_ms:.2f}"),
+    ("check ms", "{check_ms:.2f}"),
+    ("step ms", "{step_ms:.1f}"),
+    ("added %", "{added_pct_of_step:.3f}%"),
+    ("added CPU %", "{added_cpu_pct_of_step:.3f}%"),
+    ("added + check %", "{added_with_check_pct_of_step:.3f}%"),
+    ("index %", "{index_pct_of_step:.4f}%"),
+    ("added ms quartiles, all pairs", _QUARTILES.format("added_ms")),
+    ("added CPU ms quartiles", _QUARTILES.format("added_cpu_ms")),
+]
+
+
+def _preprocess_report(args, job: dict, ranks: list[dict]) -> tuple[str, dict]:
+    load = job["load_average"]
+    lines = [
+        f"median over {args.steps} steps (post-processing: median of {args.pairs} "
+        f"alternated pairs per step); images per batch "
+        f"{[s['images'] for s in ranks[0]['steps']]}; 1-min load average "
+        f"{load['start'][0]:.1f} at start, {load['end'][0]:.1f} at end on "
+        f"{os.cpu_count()} cores",
+        _harness.table(_PREPROCESS_COLUMNS, ranks),
+    ]
+    return "\n".join(lines), {"cpu_count": os.cpu_count(), "ranks": ranks}
 
 
 def main(argv=None) -> None:
-    _harness.run_degrees(_parse_args(argv), _measure, _report)
+    parser, scope = _parser(argv)
+    if scope == "preprocess":
+        _harness.run_job(parser, argv, _preprocess, _preprocess_report)
+    else:
+        _harness.run_degrees(_harness.parse_row(parser, argv), _measure, _report)
 
 
 if __name__ == "__main__":

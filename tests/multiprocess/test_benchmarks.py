@@ -42,7 +42,7 @@ def _run(
 
 def test_preprocessing_overhead_runs(tmp_path):
     result, stdout = _run(
-        tmp_path, "preprocessing_overhead", "--steps", "1", "--pairs", "3"
+        tmp_path, "vision_time", "--scope", "preprocess", "--steps", "1", "--pairs", "3"
     )
     assert (result["cp"], result["seq_len"], result["device"]) == (2, 256, "cpu")
     ranks = result["ranks"]

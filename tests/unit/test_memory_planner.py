@@ -5,7 +5,7 @@ The debug job runs at CP2 on 2 simulated ranks, 512 tokens per row holding 8
 images, once per vision mode: the figures must be those of the job's real
 parameters sharded by FSDP over dp_shard x cp, and sharded vision must halve
 the vision activations without changing the decoder's. (Agreement with the
-real measurement, ``benchmarks/memory_planner_check.py``, takes minutes.)
+real measurement, ``benchmarks/memory_per_rank.py --planned``, takes minutes.)
 """
 
 import contextlib

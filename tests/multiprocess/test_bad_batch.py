@@ -8,6 +8,7 @@ import pytest
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run, read_tb_scalars
 
 from ..faults import FAULT_ENV, SAMPLE_ENV
+from ..parity_suites import FP32
 from ..training_runs import REPO, run_train
 from ..unit.test_validator import dataset_with_stray_placeholder
 
@@ -32,6 +33,7 @@ def test_bad_samples_are_skipped_by_name_and_a_restart_passes_them(tmp_path):
         f"--dataloader.dataset_path={dataset}",
         *UNPACKED,
         "--training.steps=4",
+        FP32,
         "--debug.deterministic",
         "--metrics.enable_tensorboard",
         "--metrics.log_freq=1",
@@ -104,6 +106,7 @@ def test_a_grid_disagreeing_with_its_pixels_stops_every_cp_rank(tmp_path, vision
             f"--dump_folder={tmp_path / 'dump'}",
             *UNPACKED,
             "--training.steps=3",
+            FP32,
             f"--parallelism.context_parallel_vision={vision}",
         ],
         tmp_path / "run.log",

@@ -15,7 +15,9 @@ must fail them). CP2 sharded then trains a step and exports with
 and transformers loads it. The packed parity suite (``test_parity_cp.py``)
 trains every CP job from the seed in HF format, held to 1 rank's within the
 fp32 floor: CI, with fewer parity steps, leaves TP2 + CP2 + SP and CP2 x PP2
-to it (``SUITE_COVERED``); the default ``./run_tests.sh`` runs every job here.
+to it, and CP4 with sharded vision to the suite's CP4 (its load) and unpacked
+CP4 sharded parity (its forward) (``SUITE_COVERED``); the default
+``./run_tests.sh`` runs every job here.
 """
 
 import json
@@ -39,7 +41,7 @@ from torchtitan_ext.tools.hf_checkpoint import (
 
 from ..hf_reference import BATCHES, caption_loss, hf_logits, make_batch, relative_error
 from ..jobs import toml_ranks
-from ..parity_suites import STEPS
+from ..parity_suites import FULL
 from ..training_runs import REPO
 from ..unit.test_transformers_reference import LOGIT_REL_TOL, LOSS_TOL
 
@@ -94,7 +96,7 @@ def reference_logits(checkpoints) -> dict[str, tuple[torch.Tensor, torch.Tensor]
 
 EXPORTING_JOB = "cp2_sharded_vision"
 # Trained from the HF seed by the packed suite too; CI keeps them there only.
-SUITE_COVERED = {"tp2_cp2_sp", "cp2_pp2"}
+SUITE_COVERED = {"tp2_cp2_sp", "cp2_pp2", "cp4_sharded_vision"}
 
 
 def _run_worker(checkpoints, job: str) -> dict:
@@ -136,7 +138,7 @@ def results(checkpoints):
 
 
 @pytest.mark.parametrize(
-    "job", [job for job in JOBS if STEPS >= 10 or job not in SUITE_COVERED]
+    "job", [job for job in JOBS if FULL or job not in SUITE_COVERED]
 )
 def test_hf_load_equals_dcp_load_and_matches_transformers(
     results, reference_logits, job

@@ -8,6 +8,7 @@ import pytest
 from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
 from torchtitan_ext.tools.parity import RUN_TRAIN, launch_run
 
+from ..parity_suites import FP32
 from ..training_runs import REPO, run_train
 from ..unit.test_hostile_config import FOUR_PARTS
 from ..unit.test_pipeline_split import FIRST, LAST
@@ -47,7 +48,7 @@ def _assert_raised_on_every_rank(log: str, message: str) -> None:
 
 def test_pp2_run_places_omitted_vision_modules(tmp_path):
     toml = _split_toml(tmp_path / "split.toml", FIRST, LAST)
-    args = ["--training.steps=2", "--training.seq_len=256"]
+    args = ["--training.steps=2", "--training.seq_len=256", FP32]
     run_train(
         tmp_path,
         "placed",

@@ -38,6 +38,8 @@ from torchtitan_ext.tools.parity import (
 from ..faults import FAULT_ENV, RANK_ENV
 from ..parity_suites import (
     CP_BOUNDS,
+    FP32,
+    FULL,
     GRAD_NORM_TOL,
     LOSS_TOL,
     PACKED,
@@ -221,9 +223,12 @@ def test_fsdp2_cp2_matches_its_baseline(runs, baseline, job, control_factor):
         ("1rank", "cp2"),
         ("cp2", "tp2_sp"),
         ("fsdp2", "fsdp2_cp2"),
-        ("fsdp2_cp2", "fsdp2"),
         ("fsdp2_cp2", "fsdp2_cp2_sharded_vision"),
-        ("fsdp2_cp2_sharded_vision", "fsdp2_cp2"),
+        *(
+            [("fsdp2_cp2", "fsdp2"), ("fsdp2_cp2_sharded_vision", "fsdp2_cp2")]
+            if FULL
+            else []
+        ),
     ],
 )
 def test_resume_across_topologies(runs, source, job):
@@ -233,7 +238,8 @@ def test_resume_across_topologies(runs, source, job):
     when the data-parallel degree does not change (torchtitan cannot reshard it),
     so FSDP2 pairs with FSDP2 x CP2, and the other jobs have one data rank. The
     vision modes share their checkpoints: replicated continues as sharded and
-    back.
+    back. CI (``FULL`` off) resumes one way only: CP2 into TP2+SP already takes
+    a CP checkpoint out of CP.
     """
     resumed = _scalars(runs.resumed(job, source))
     _assert_close(resumed, _scalars(runs.uninterrupted(job)), RESUMED_STEPS)
@@ -385,7 +391,7 @@ def _stop_a_node(runs, victim: int, how: signal.Signals) -> tuple[RunRecord, flo
     signal to its exit.
     """
     dump = runs.out / f"cp2_node{victim}_{how.name}"
-    nodes, records = _start_two_nodes(runs, dump, ["--training.steps=100000"])
+    nodes, records = _start_two_nodes(runs, dump, ["--training.steps=100000", FP32])
     survivor = 1 - victim
     survivor_log = runs.out / f"{dump.name}_node{survivor}.log"
     while nodes[survivor].is_alive() and not re.search(

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -97,8 +96,7 @@ def _on_ranks(nproc: int, measure, args, job: list[str], timeout_s=3600.0, **kwa
 
 def _worker(measure: Callable, args, job: list[str], layers=0, need_cp=False):
     """This rank's ``measure(args, trainer)`` on the Trainer of flags ``job``,
-    and what a report says of the job (with the host's load average)."""
-    load_at_start = os.getloadavg()
+    and what a report says of the job."""
     trainer = build_trainer(job, layers)
     try:
         if need_cp and not trainer.parallel_dims.cp_enabled:
@@ -111,7 +109,6 @@ def _worker(measure: Callable, args, job: list[str], layers=0, need_cp=False):
             "seq_len": config.training.seq_len,
             "local_batch_size": config.training.local_batch_size,
             "load_balancer": config.parallelism.context_parallel_load_balancer,
-            "load_average": {"start": load_at_start, "end": os.getloadavg()},
         }
     finally:
         trainer.close()
@@ -193,11 +190,12 @@ def degree_job(args: argparse.Namespace, cp: int, dump: str) -> list[str]:
     ]
 
 
-def run_degrees(args: argparse.Namespace, measure, report) -> None:
+def run_degrees(args: argparse.Namespace, measure, row, report) -> None:
     """``measure(args, trainer)`` (module-level: it is pickled) on N ranks for
-    each ``--cp`` N; ``report(args, {cp: each rank's rows})`` gives the text and
-    the JSON rows."""
-    per_cp = {}
+    each ``--cp`` N gives each rank's rows, one per images count (and mode);
+    ``row(args, that row of every rank)`` adds to its CP, images and vision
+    tokens; ``report(args, rows)`` gives the text (and may add to the rows)."""
+    rows = []
     for cp in args.cp:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as dump:
@@ -205,10 +203,15 @@ def run_degrees(args: argparse.Namespace, measure, report) -> None:
             results = _on_ranks(
                 cp, measure, args, job, args.timeout_s, layers=args.layers
             )
-        per_cp[cp] = [rows for rows, _ in results]
+        for rank_rows in zip(*(rank for rank, _ in results), strict=True):
+            images = rank_rows[0]["images"]
+            rows.append(
+                {"cp": cp, "images": images}
+                | {"vision_tokens": images * args.tokens_per_image}
+                | row(args, list(rank_rows))
+            )
         print(f"CP{cp}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    text, rows = report(args, per_cp)
-    print(text)
+    print(report(args, rows))
     write_json(args.json, {"settings": vars(args), "rows": rows})
 
 
@@ -233,15 +236,6 @@ def table(columns: Sequence[tuple], rows: Iterable[dict], left=()) -> str:
     lines.append("|" + "".join(" --- |" if t in left else " ---: |" for t in titles))
     lines += ["| " + " | ".join(text(c, r) for _, c in columns) + " |" for r in rows]
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def phase(holder, name: str):
-    previous, holder.phase = holder.phase, name
-    try:
-        yield
-    finally:
-        holder.phase = previous
 
 
 def to_device(trainer, batch: Batch) -> Batch:
@@ -269,17 +263,32 @@ def timed_ms(trainer, fn, *args) -> tuple[float, float]:
     return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 
+def forward_backward_ms(forward, grad, sync=lambda: None):
+    """``forward()``'s output and ms per phase: it, its backward from ``grad``
+    and both, each phase ended by ``sync()`` (the device's end)."""
+    start = time.perf_counter()
+    out = forward()
+    sync()
+    forward_end = time.perf_counter()
+    out.backward(grad)
+    sync()
+    end = time.perf_counter()
+    seconds = (forward_end - start, end - forward_end, end - start)
+    phases = ("forward_ms", "backward_ms", "total_ms")
+    return {p: s * 1e3 for p, s in zip(phases, seconds, strict=True)}, out
+
+
 def train_step(trainer, batch: Batch) -> float:
     """``Trainer.train_step`` (ms) on one batch, as the training loop calls it."""
     trainer.step += 1
     return timed_ms(trainer, trainer.train_step, iter([batch]))[0]
 
 
-def synthetic_batch(trainer, seq_len: int, images: int, tokens_per_image: int):
-    """One CPU row, as the memory planner plans it: the two compare."""
+def synthetic_batch(model, seq_len: int, images: int, tokens_per_image, rows=1):
+    """CPU rows of model config ``model``, as the memory planner plans them (the
+    two compare); ``tokens_per_image`` None: the planner's default size."""
     from torchtitan_ext.tools.estimate import batch
 
-    model = trainer.model_config
     size = batch.image_size(
         model.vision_encoder,
         seq_len=seq_len,
@@ -287,7 +296,7 @@ def synthetic_batch(trainer, seq_len: int, images: int, tokens_per_image: int):
         tokens_per_image=tokens_per_image,
     )
     return batch.synthetic_batch(
-        model, rows=1, seq_len=seq_len, images=images, size=size
+        model, rows=rows, seq_len=seq_len, images=images, size=size
     )
 
 

@@ -82,9 +82,7 @@ class LiveMemory(TorchDispatchMode):
         for module in vision_modules:
             # After FSDP's own pre-forward hook: its all-gather is not vision.
             self._hooks.append(module.register_forward_pre_hook(self._enter_vision))
-            self._hooks.append(
-                module.register_forward_hook(self._exit_vision, with_kwargs=True)
-            )
+            self._hooks.append(module.register_forward_hook(self._exit_vision))
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -92,18 +90,13 @@ class LiveMemory(TorchDispatchMode):
         self._hooks.clear()
         self._vision_nodes.clear()
 
-    def in_phase(self, phase: str):
-        from _harness import phase as set_phase  # benchmarks/, first on sys.path
-
-        return set_phase(self, phase)
-
     def _enter_vision(self, module, args) -> None:
         self._vision_depth += 1
         module._live_memory_input_nodes = {
             id(t.grad_fn) for t in _plain_tensors(args) if t.grad_fn is not None
         }
 
-    def _exit_vision(self, module, args, kwargs, output) -> None:
+    def _exit_vision(self, module, args, output) -> None:
         self._vision_depth -= 1
         stop = module.__dict__.pop("_live_memory_input_nodes", set())
         for node in graph_nodes(output, stop):

@@ -24,17 +24,14 @@ VISION_MODES = ("replicated", "sharded")
 
 def set_vision_mode(trainer, mode: str) -> None:
     """Switch ``trainer`` to CP vision ``mode`` (see the module's docstring)."""
-    config = trainer.config
-    if config.parallelism.spmd_backend != "spmd_types" or (
-        config.debug.spmd_typechecking
-    ):
+    parallelism, debug = trainer.config.parallelism, trainer.config.debug
+    if parallelism.spmd_backend != "spmd_types" or debug.spmd_typechecking:
         raise ValueError(
             "switching context_parallel_vision in a built Trainer needs the "
             "spmd_types backend without --debug.spmd_typechecking; got "
-            f"{config.parallelism.spmd_backend!r}, typechecking "
-            f"{config.debug.spmd_typechecking}"
+            f"{parallelism.spmd_backend!r}, typechecking {debug.spmd_typechecking}"
         )
-    config.parallelism.context_parallel_vision = mode
+    parallelism.context_parallel_vision = mode
     for model in trainer.model_parts:
         model.config.context_parallel_vision = mode
 
@@ -52,14 +49,6 @@ def with_vision_share(trainer, batch: _harness.Batch) -> _harness.Batch:
 
 _COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all"}
 _COLLECTIVES |= {"reduce_scatter", "reduce_scatter_tensor"}
-
-
-def _buffer_bytes(args) -> int:
-    """The largest buffer among a collective's tensor arguments (a list summed)."""
-    return max(
-        [0]
-        + [sum(t.nbytes for t in tree_leaves(a) if torch.is_tensor(t)) for a in args]
-    )
 
 
 class _CountingDist:
@@ -101,7 +90,10 @@ class ExchangeBytes(contextlib.AbstractContextManager):
             phase = "backward"
         else:
             return
-        nbytes = _buffer_bytes(args)
+        # The largest buffer among the tensor arguments (a list summed).
+        nbytes = max(
+            sum(t.nbytes for t in tree_leaves(a) if torch.is_tensor(t)) for a in args
+        )
         group_size = torch.distributed.get_world_size(kwargs.get("group"))
         self.buffer_bytes[phase] += nbytes
         self.calls[f"{phase}/{op}"] += 1

@@ -226,7 +226,8 @@ def _one_rank(args, side: str, save) -> None:
         recorder = host_syncs.Recorder(trainer)  # counts only in its steps
 
         def batch(images: int, tokens: int):
-            return _harness.synthetic_batch(trainer, args.seq_len, images, tokens)
+            model = trainer.model_config
+            return _harness.synthetic_batch(model, args.seq_len, images, tokens)
 
         def step(batch) -> float:  # ms of train_step; the batch checked before
             return _harness.train_step(trainer, with_vision_share(trainer, batch))
@@ -258,7 +259,6 @@ def _one_rank(args, side: str, save) -> None:
 def _planner_job(args):
     """The planned job, the planner's batch, world size and first planned rank,
     as ``tools.estimate.cli.plan_job`` has them (a job without PP)."""
-    from torchtitan_ext.tools.estimate.batch import image_size, synthetic_batch
     from torchtitan_ext.tools.estimate.planner import ranks_to_plan
     from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
 
@@ -266,13 +266,9 @@ def _planner_job(args):
     config = load_job(job + shlex.split(args.planner_args))
     if config.parallelism.pipeline_parallel_degree > 1:
         raise ValueError("the real step runs one model part: a job without PP")
-    world, seq_len = job_world_size(config), config.training.seq_len
-    model, images = config.model_spec.model, args.planner_images
-    size = image_size(
-        model.vision_encoder, seq_len=seq_len, images=images, tokens_per_image=None
-    )
-    rows = config.training.local_batch_size
-    batch = synthetic_batch(model, rows=rows, seq_len=seq_len, images=images, size=size)
+    world, model = job_world_size(config), config.model_spec.model
+    rows, seq_len = config.training.local_batch_size, config.training.seq_len
+    batch = _harness.synthetic_batch(model, seq_len, args.planner_images, None, rows)
     return config, batch, world, ranks_to_plan(config, world, batch[0]["grid_thw"])[0]
 
 

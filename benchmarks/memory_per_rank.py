@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from unittest import mock
 
 import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
@@ -75,7 +76,7 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
     peak_rss = {}
 
     def fwd_bwd_as_forward(**kwargs):
-        with tracker.in_phase("forward"):
+        with mock.patch.object(tracker, "phase", "forward"):
             loss = fwd_bwd(**kwargs)
         # Read before the metrics logger resets the peak after the step.
         peak_rss["fwd_bwd"] = cpu_backend.peak_rss_bytes()
@@ -86,7 +87,7 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
     trainer.step += 1
     device_module.reset_peak_memory_stats()
     try:
-        with tracker, tracker.in_phase("step"), ExchangeBytes() as exchange:
+        with tracker, ExchangeBytes() as exchange:
             trainer.train_step(iter([batch]))
     finally:
         del trainer.post_dataloading_process, trainer.forward_backward_step
@@ -118,7 +119,7 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     modes = modes_at(trainer, args.vision)
     # One-time allocations (FSDP lazy init, optimizer state) stay out.
     warm_up = _harness.synthetic_batch(
-        trainer, min(args.seq_len, 1024), 1, args.tokens_per_image
+        trainer.model_config, min(args.seq_len, 1024), 1, args.tokens_per_image
     )
     for mode in modes:
         set_vision_mode(trainer, mode)
@@ -126,7 +127,7 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     rows = []
     for images in args.images:
         batch = _harness.synthetic_batch(
-            trainer, args.seq_len, images, args.tokens_per_image
+            trainer.model_config, args.seq_len, images, args.tokens_per_image
         )
         measured = {}
         for mode in modes:
@@ -140,28 +141,24 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
 
 # Rank figures reported (in MiB) on the rank where each is largest.
 _MOST = (
-    *("vision_activation", "decoder_attn_scratch", "vision_attn_scratch"),
-    *("peak_rss", "exchange_forward", "exchange_backward", "exchange_wire"),
+    *("decoder_activation", "vision_activation"),
+    *("decoder_attn_scratch", "vision_attn_scratch", "peak_rss"),
+    *("exchange_forward", "exchange_backward", "exchange_wire"),
 )
 
 
-def _row(args, cp: int, rank_rows: list[dict]) -> dict:
+def _row(args, rank_rows: list[dict]) -> dict:
     """One (CP, images, mode): each figure on the rank where it is largest."""
 
     def most_mib(value) -> float:
         return max(map(value, rank_rows)) / MIB
 
-    worst = max(rank_rows, key=lambda r: r["decoder_activation_bytes"])
-    images, vision = rank_rows[0]["images"], rank_rows[0]["vision"]
     return {
-        **dict(cp=cp, images=images, vision=vision),
-        "vision_tokens": images * args.tokens_per_image,
-        "decoder_activation_mib": worst["decoder_activation_bytes"] / MIB,
+        "vision": rank_rows[0]["vision"],
         **{f"{k}_mib": most_mib(lambda r, k=k: r[f"{k}_bytes"]) for k in _MOST},
         "total_activation_mib": most_mib(
             lambda r: r["decoder_activation_bytes"] + r["vision_activation_bytes"]
         ),
-        "state_mib": sum(worst["state_bytes"].values()) / MIB,
         "step_peak_mib": most_mib(
             lambda r: (
                 r["step_allocated_peak_bytes"]
@@ -188,7 +185,6 @@ _COLUMNS = [
         "attn scratch MiB (dec / vis)",
         "{decoder_attn_scratch_mib:.0f} / {vision_attn_scratch_mib:.0f}",
     ),
-    ("params+grads+opt MiB", "{state_mib:.1f}"),
     ("step peak MiB", "{step_peak_mib:.0f}"),
     ("peak RSS MiB", "{peak_rss_mib:.0f}"),
 ]
@@ -199,42 +195,33 @@ _EXCHANGE_COLUMNS = [
     ("reduce-scatter in MiB (bwd, fp32)", "{exchange_backward_mib:.2f}"),
     ("ring MiB sent per rank", "{exchange_wire_mib:.2f}"),
     ("vision act. saved MiB per rank", "{vision_saved_mib:.2f}"),
-    ("total act. saved MiB per rank", "{total_saved_mib:.2f}"),
 ]
 
 
-def _report(args, per_cp: dict[int, list[list[dict]]]) -> tuple[str, list[dict]]:
-    rows = [
-        _row(args, cp, list(rank_rows))
-        for cp, ranks in per_cp.items()
-        for rank_rows in zip(*ranks, strict=True)
-    ]
-    base = {(r["images"], r["vision"]): r for r in rows if r["cp"] == 1}
-    replicated = {
-        (r["cp"], r["images"]): r for r in rows if r["vision"] == "replicated"
-    }
+def _report(args, rows: list[dict]) -> str:
+    """The tables; each row gains its ratios to CP1 and what sharding saves."""
+    by_key = {(r["cp"], r["images"], r["vision"]): r for r in rows}
     for r in rows:
-        b = base[r["images"], r["vision"]]
+        b = by_key[1, r["images"], r["vision"]]
         for name in ("decoder", "vision", "total"):
             r[f"{name}_ratio_vs_cp1"] = (
                 r[f"{name}_activation_mib"] / b[f"{name}_activation_mib"]
             )
-        rep = replicated.get((r["cp"], r["images"]))
+        rep = by_key.get((r["cp"], r["images"], "replicated"))
         if r["vision"] == "sharded" and rep is not None:
-            for name in ("vision", "total"):
-                key = f"{name}_activation_mib"
-                r[f"{name}_saved_mib"] = rep[key] - r[key]
+            key = "vision_activation_mib"
+            r["vision_saved_mib"] = rep[key] - r[key]
     order = sorted(rows, key=lambda r: (r["images"], r["vision"], r["cp"]))
     text = _harness.table(_COLUMNS, order, left=["vision"])
     if "sharded" not in args.vision or "replicated" not in args.vision:
-        return text, rows
+        return text
     sharded = [
         r
         for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
         if r["cp"] > 1 and "vision_saved_mib" in r
     ]
     text += "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank\n"
-    return text + _harness.table(_EXCHANGE_COLUMNS, sharded), rows
+    return text + _harness.table(_EXCHANGE_COLUMNS, sharded)
 
 
 # Each compared figure, from a measured rank (JSON) and from a planned one.
@@ -291,11 +278,6 @@ def _planned(args) -> None:
             continue  # CP1 runs the replicated path in both modes
         estimates = _plan(settings, row["cp"], row["images"], row["vision"])
         rows.append(_compare(row, estimates))
-        print(
-            f"CP{row['cp']} {row['images']} images {row['vision']}: "
-            f"{time.perf_counter() - start:.0f} s",
-            file=sys.stderr,
-        )
     print(
         f"Planner vs measured ({args.json.name}): seq_len {settings.seq_len}, "
         f"{settings.tokens_per_image} tokens per image, {settings.layers} decoder "
@@ -314,7 +296,7 @@ def main(argv=None) -> None:
     if args.planned:
         _planned(args)
     else:
-        _harness.run_degrees(args, _measure, _report)
+        _harness.run_degrees(args, _measure, _row, _report)
 
 
 if __name__ == "__main__":

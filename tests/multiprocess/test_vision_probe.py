@@ -36,13 +36,12 @@ from torchtitan_ext.muse_glimmer import check_vision_placeholders
 from torchtitan_ext.tools.vision_probe import (
     HELDOUT_SEED,
     LEARNED_MARGIN,
-    build_probe_dataloader,
     build_probe_job,
     format_result,
+    probe_batches,
     probe_training_args,
     run_probe,
     shuffle_images,
-    take_batches,
 )
 
 from ..training_runs import checkpoint_path, run_train
@@ -68,7 +67,7 @@ def trained(out_dir, seed_checkpoint) -> dict[str, Path]:
 
 def test_shuffle_moves_images_and_keeps_batches_valid():
     job = build_probe_job(seq_len=64)
-    batches = take_batches(build_probe_dataloader(job, batch_size=8), 4)
+    batches = probe_batches(job, 4, batch_size=8)
     shuffled, moved, n_images = shuffle_images(batches, seed=0)
     assert n_images == 32 and moved >= 0.9
     assert shuffle_images(batches, seed=0)[1] == moved  # fixed generator

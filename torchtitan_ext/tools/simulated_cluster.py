@@ -40,6 +40,7 @@ __all__ = [
     "job_world_size",
     "load_job",
     "main",
+    "parse_job",
     "simulated_rank",
 ]
 
@@ -202,14 +203,28 @@ def describe(simulated: SimulatedRank) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
+def parse_job(parser, argv: list[str] | None, **job_flags: str):
+    """The tools' command lines: ``parser``'s own arguments, the job's arguments and
+    the job. ``job_flags`` maps an own argument to the job flag it stands for (those
+    set go first, then the rest: the job's overrides). torchtitan runs on the CPU
+    backend; a job that does not load is a usage error, as a bad flag is."""
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()
+    own, overrides = parser.parse_known_args(argv)
+    job_args = []
+    for name, flag in job_flags.items():
+        value = getattr(own, name)
+        job_args += [] if value is None else [flag, str(value)]
+    job_args += overrides
+    try:
+        return own, job_args, load_job(job_args)
+    except config_file.ConfigFileError as e:
+        parser.error(str(e))
 
-    from torchtitan_ext.config_file import ConfigFileError
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.tools.simulated_cluster",
@@ -217,11 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world-size", type=int, help="default: the job's degrees")
-    own, job_args = parser.parse_known_args(argv)
-    try:
-        config = load_job(job_args)
-    except ConfigFileError as e:
-        parser.error(str(e))
+    own, _, config = parse_job(parser, argv)
     with simulated_rank(config, rank=own.rank, world_size=own.world_size) as rank:
         print(describe(rank))
 

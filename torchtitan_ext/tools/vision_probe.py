@@ -32,13 +32,12 @@ __all__ = [
     "LEARNED_MARGIN",
     "PROBE_LR",
     "ProbeResult",
-    "build_probe_dataloader",
     "build_probe_job",
     "format_result",
+    "probe_batches",
     "probe_training_args",
     "run_probe",
     "shuffle_images",
-    "take_batches",
 ]
 
 IGNORE_INDEX = -100
@@ -101,7 +100,7 @@ def probe_training_args(
     )
 
 
-def build_probe_job(*, seq_len: int, dataset_path: str | Path | None = None):
+def build_probe_job(*, seq_len: int):
     """The plug-in's ``muse_glimmer_debugmodel_mm`` job (1 rank), after
     ``cpu_backend.apply()``. Rows are not packed, and padding cannot change a
     token's loss (causal, per-document masks): ``seq_len`` 64 holds the longest
@@ -110,13 +109,12 @@ def build_probe_job(*, seq_len: int, dataset_path: str | Path | None = None):
 
     job = config_registry.muse_glimmer_debugmodel_mm()
     job.training.seq_len = seq_len
-    if dataset_path is not None:
-        job.dataloader.dataset_path = str(dataset_path)
     return job
 
 
-def build_probe_dataloader(job, *, batch_size: int):
-    """torchtitan's ``MMDataLoader`` from the job's dataloader config, 1 DP rank."""
+def probe_batches(job, n: int, *, batch_size: int) -> list[_Batch]:
+    """The first ``n`` batches of torchtitan's ``MMDataLoader`` from the job's
+    dataloader config, 1 DP rank: a fresh loader, the dataset in file order."""
     if batch_size > job.dataloader.max_images_per_batch:
         raise ValueError(
             f"batch_size={batch_size} exceeds the job's max_images_per_batch="
@@ -125,16 +123,13 @@ def build_probe_dataloader(job, *, batch_size: int):
     from torchtitan_ext.embedded_data import ensure_embedded_assets
 
     ensure_embedded_assets()  # the debug jobs' data, as the launcher makes it
-    return job.dataloader.build(
+    dataloader = job.dataloader.build(
         dp_world_size=1,
         dp_rank=0,
         tokenizer=job.tokenizer.build(tokenizer_path=job.hf_assets_path),
         seq_len=job.training.seq_len,
         local_batch_size=batch_size,
     )
-
-
-def take_batches(dataloader, n: int) -> list[_Batch]:
     batches = list(itertools.islice(dataloader, n))
     if len(batches) < n:
         raise RuntimeError(f"the dataloader ended after {len(batches)} of {n} batches")
@@ -182,8 +177,8 @@ def shuffle_images(
     return shuffled, (moved / n_images if n_images else 0.0), n_images
 
 
-def caption_loss(model, batches: list[_Batch]) -> tuple[float, int]:
-    """Summed fp32 cross-entropy over labels != -100, and the token count.
+def caption_loss(model, batches: list[_Batch]) -> float:
+    """Summed fp32 cross-entropy over labels != -100 (the caption tokens).
 
     Inputs as the plug-in Trainer builds them (no CP); the jobs' ``spmd_types``
     backend needs a device mesh, ``partial_dtensor`` computes the same without.
@@ -195,7 +190,6 @@ def caption_loss(model, batches: list[_Batch]) -> tuple[float, int]:
     from torchtitan_ext.tools.simulated_cluster import spmd_backend
 
     total = torch.zeros((), dtype=torch.float64)
-    count = 0
     with torch.no_grad(), spmd_backend("partial_dtensor"):
         for inputs, labels in batches:
             kwargs = {k: v for k, v in inputs.items() if k != "input"}
@@ -213,8 +207,7 @@ def caption_loss(model, batches: list[_Batch]) -> tuple[float, int]:
                 logits.flatten(0, 1), labels.flatten(), reduction="sum"
             )
             total += loss.double()
-            count += int((labels != IGNORE_INDEX).sum())
-    return float(total), count
+    return float(total)
 
 
 def run_probe(
@@ -238,30 +231,28 @@ def run_probe(
     from torchtitan_ext.embedded_data import EmbeddedDataConfig, ensure_embedded_assets
 
     cpu_backend.apply()
-    dataset, dataset_path = "embedded", None
+    job = build_probe_job(seq_len=seq_len)
+    # fp32, the default dtype: ``.to`` would drop RoPE's complex cache.
+    model_config = job.model_spec.model
+    model_config.update_from_config(config=job)
+    model = model_config.build().eval()
+    state_dict = model.state_dict()
+    dcp.load(state_dict, checkpoint_id=str(checkpoint))  # names a missing key
+    model.load_state_dict(state_dict, strict=True)
+    dataset = "embedded"
     with tempfile.TemporaryDirectory(prefix="vision-probe-") as tmp:
         if heldout_seed is not None:
             dataset = f"heldout-seed-{heldout_seed}"
             n = batches * batch_size
             config = EmbeddedDataConfig(seed=heldout_seed, num_samples=n, num_shards=1)
             assets = ensure_embedded_assets(Path(tmp) / "heldout", config=config)
-            dataset_path = assets.dataset_dir
-        job = build_probe_job(seq_len=seq_len, dataset_path=dataset_path)
-        # fp32, the default dtype: ``.to`` would drop RoPE's complex cache.
-        model_config = job.model_spec.model
-        model_config.update_from_config(config=job)
-        model = model_config.build().eval()
-        state_dict = model.state_dict()
-        dcp.load(state_dict, checkpoint_id=str(checkpoint))  # names a missing key
-        model.load_state_dict(state_dict, strict=True)
-        # A fresh loader: the dataset's first samples, in file order.
-        loader = build_probe_dataloader(job, batch_size=batch_size)
-        data = take_batches(loader, batches)
+            job.dataloader.dataset_path = str(assets.dataset_dir)
+        data = probe_batches(job, batches, batch_size=batch_size)
     shuffled, moved_fraction, n_images = shuffle_images(data, seed=seed)
-    true_sum, n_tokens = caption_loss(model, data)
-    shuffled_sum, n_tokens_shuffled = caption_loss(model, shuffled)
-    assert n_tokens == n_tokens_shuffled and n_tokens > 0
-    true_loss, shuffled_loss = true_sum / n_tokens, shuffled_sum / n_tokens
+    # The shuffled batches keep the labels: one token count for both passes.
+    n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in data)
+    true_loss = caption_loss(model, data) / n_tokens
+    shuffled_loss = caption_loss(model, shuffled) / n_tokens
     return ProbeResult(
         checkpoint=str(checkpoint),
         dataset=dataset,

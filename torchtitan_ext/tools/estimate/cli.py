@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,26 +30,6 @@ all-gathers not included; flex attention as a fused kernel: no score matrices).
 peak = measured peak + (in flight - 1) x retained / mb: under PP a stage holds
 "in flight" microbatches at once, one measured (derived, not measured).
 Not modelled: the CUDA context, NCCL workspaces, the allocator's fragmentation."""
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_ext.tools.estimate",
-        allow_abbrev=False,
-        description="Memory per rank of one training step of a job under "
-        "FakeTensorMode on a fake process group. Other arguments are the job's: "
-        "--module M --config C instead of --config-file, --section.key overrides.",
-    )
-    add = parser.add_argument
-    add("--config-file", type=Path, help="the job's TOML file")
-    add("--seq-len", type=int, help="training.seq_len")
-    add("--images", type=int, default=1, help="images per row (sequence)")
-    add("--tokens-per-image", type=int, help="a square (default: native, fitting)")
-    add("--vision", choices=MODES, help="parallelism.context_parallel_vision")
-    add("--world-size", type=int, help="needed when dp_shard is -1 in the job")
-    add("--ranks", type=int, nargs="+", help="default: one per stage, vision share")
-    add("--json", type=Path, help="also write the rows here")
-    return parser
 
 
 def plan_job(
@@ -142,27 +121,31 @@ def _report(job: str, estimates) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torchtitan_ext import cpu_backend
+    from torchtitan_ext.tools.simulated_cluster import parse_job
 
-    cpu_backend.apply()
-
-    from torchtitan_ext.config_file import ConfigFileError
-    from torchtitan_ext.tools.simulated_cluster import load_job
-
-    parser = _parser()
-    own, overrides = parser.parse_known_args(argv)
-    job_args = []  # the planner's own options, before the job's overrides
-    for flag, value in (
-        ("--job.config_file", own.config_file),
-        ("--training.seq_len", own.seq_len),
-        ("--parallelism.context_parallel_vision", own.vision),
-    ):
-        job_args += [] if value is None else [flag, str(value)]
-    try:
-        config = load_job(job_args + overrides)
-    except ConfigFileError as e:
-        parser.error(str(e))
-    start = time.perf_counter()
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_ext.tools.estimate",
+        allow_abbrev=False,
+        description="Memory per rank of one training step of a job under "
+        "FakeTensorMode on a fake process group. Other arguments are the job's: "
+        "--module M --config C instead of --config-file, --section.key overrides.",
+    )
+    add = parser.add_argument
+    add("--config-file", type=Path, help="the job's TOML file")
+    add("--seq-len", type=int, help="training.seq_len")
+    add("--images", type=int, default=1, help="images per row (sequence)")
+    add("--tokens-per-image", type=int, help="a square (default: native, fitting)")
+    add("--vision", choices=MODES, help="parallelism.context_parallel_vision")
+    add("--world-size", type=int, help="needed when dp_shard is -1 in the job")
+    add("--ranks", type=int, nargs="+", help="default: one per stage, vision share")
+    add("--json", type=Path, help="also write the rows here")
+    own, _, config = parse_job(
+        parser,
+        argv,
+        config_file="--job.config_file",
+        seq_len="--training.seq_len",
+        vision="--parallelism.context_parallel_vision",
+    )
     size, world_size, estimates = plan_job(
         config,
         images=own.images,
@@ -172,9 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     job = describe_job(config, world_size, own.images, size)
     print(_report(job, estimates))
-    print(
-        f"\n{len(estimates)} rank(s) simulated in {time.perf_counter() - start:.0f} s"
-    )
+    seconds = sum(e.seconds for e in estimates)
+    print(f"\n{len(estimates)} rank(s) simulated in {seconds:.0f} s")
     if own.json is not None:
         rows = [
             {**asdict(e), "peak": e.peak, "stage": e.coordinates.get("pp")}

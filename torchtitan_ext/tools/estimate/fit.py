@@ -13,7 +13,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 from .cli import GIB, MODES, describe_job, plan_job, table
@@ -21,24 +20,7 @@ from .cli import GIB, MODES, describe_job, plan_job, table
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_ext.tools.estimate.fit",
-        allow_abbrev=False,
-        description=__doc__.split("\n")[0],
-    )
-    add = parser.add_argument
-    add("--config-file", type=Path, help="the job's TOML file")
-    add("--seq-len", type=int, nargs="+", required=True)
-    add("--images", type=int, nargs="+", required=True)
-    add("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    add("--capacity-gb", type=float, nargs="+", default=[80, 141])
-    add("--tokens-per-image", type=int)
-    add("--json", type=Path, required=True)
-    return parser
-
-
-def _plan(job_args, key: dict, tokens_per_image, world_size, dp_shard_cp) -> dict:
+def _plan(job_args, key: dict, tokens_per_image, dp_shard_cp) -> dict:
     """The job at ``key``'s CP degree, with dp_shard making up its world size."""
     from torchtitan_ext.tools.simulated_cluster import load_job
 
@@ -56,8 +38,7 @@ def _plan(job_args, key: dict, tokens_per_image, world_size, dp_shard_cp) -> dic
             *("--parallelism.context_parallel_vision", key["vision"]),
         ]
     )
-    start = time.perf_counter()
-    size, _, estimates = plan_job(
+    size, world_size, estimates = plan_job(
         config, images=images, tokens_per_image=tokens_per_image
     )
     worst = max(estimates, key=lambda e: e.peak)
@@ -75,7 +56,7 @@ def _plan(job_args, key: dict, tokens_per_image, world_size, dp_shard_cp) -> dic
             (worst.parameters, worst.buffers, worst.gradients, worst.optimizer)
         ),
         "ranks_planned": [e.rank for e in estimates],
-        "seconds": time.perf_counter() - start,
+        "seconds": sum(e.seconds for e in estimates),
     }
 
 
@@ -88,15 +69,22 @@ def _smallest(plans: list[dict], capacity_gb: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torchtitan_ext import cpu_backend
+    from torchtitan_ext.tools.simulated_cluster import job_world_size, parse_job
 
-    cpu_backend.apply()
-    from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
-
-    own, job_args = _parser().parse_known_args(argv)
-    if own.config_file is not None:
-        job_args = ["--job.config_file", str(own.config_file), *job_args]
-    job = load_job(job_args)
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_ext.tools.estimate.fit",
+        allow_abbrev=False,
+        description=__doc__.split("\n")[0],
+    )
+    add = parser.add_argument
+    add("--config-file", type=Path, help="the job's TOML file")
+    add("--seq-len", type=int, nargs="+", required=True)
+    add("--images", type=int, nargs="+", required=True)
+    add("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    add("--capacity-gb", type=float, nargs="+", default=[80, 141])
+    add("--tokens-per-image", type=int)
+    add("--json", type=Path, required=True)
+    own, job_args, job = parse_job(parser, argv, config_file="--job.config_file")
     world_size, parallelism = job_world_size(job), job.parallelism
     dp_shard_cp = (
         parallelism.data_parallel_shard_degree * parallelism.context_parallel_degree
@@ -111,8 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 same = next(p for p in plans if replicated <= p.items())
                 plan = {**same, "vision": mode, "same_as": "replicated"}
             else:
-                sizes = (own.tokens_per_image, world_size, dp_shard_cp)
-                plan = _plan(job_args, key, *sizes)
+                plan = _plan(job_args, key, own.tokens_per_image, dp_shard_cp)
             plans.append(plan)
             print(
                 f"seq {seq_len}, {images} images, {mode}, CP{cp}: peak "

@@ -386,19 +386,14 @@ def _plot(r: ParityResult, name: str) -> None:
     ax_loss, *ax_diffs = fig.subplots(3, 1, sharex=True)
     ax_loss.plot(steps, [row.baseline_loss for row in r.rows], "o-", label="baseline")
     ax_loss.plot(steps, [row.test_loss for row in r.rows], "x--", label=name)
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_title(f"parity: baseline vs {name}, {len(r.rows)} steps")
-    ax_loss.legend()
-    ax_loss.grid(True, alpha=0.3)
+    ax_loss.set(ylabel="loss", title=f"parity: baseline vs {name}, {len(r.rows)} steps")
     for ax, metric in zip(ax_diffs, ("dloss", "dgrad_norm"), strict=True):
-        diffs = [getattr(row, metric) for row in r.rows]
-        label = f"|{metric}|"
-        finite = [d for d in diffs if d > 0 and math.isfinite(d)]
+        diffs = {row.step: getattr(row, metric) for row in r.rows}
+        finite = [d for d in diffs.values() if 0 < d < math.inf]
         floor = min(finite) / 10 if finite else 1e-12
-        nonzero = [
-            (s, min(d, 1e300)) for s, d in zip(steps, diffs, strict=True) if d > 0
-        ]
-        zeros = [s for s, d in zip(steps, diffs, strict=True) if d == 0]
+        nonzero = [(s, min(d, 1e300)) for s, d in diffs.items() if d > 0]
+        zeros = [s for s, d in diffs.items() if d == 0]
+        label = f"|{metric}|"
         if nonzero:
             ax.plot(*zip(*nonzero, strict=True), "o-", color="tab:red", label=label)
         if zeros:
@@ -406,12 +401,12 @@ def _plot(r: ParityResult, name: str) -> None:
             ax.plot(
                 zeros, [floor] * len(zeros), "s", color="tab:green", label=zero_label
             )
-        ax.set_yscale("log")
-        ax.set_ylabel(label)
+        ax.set(yscale="log", ylabel=label)
+    for ax in (ax_loss, *ax_diffs):
         ax.legend()
         ax.grid(True, which="both", alpha=0.3)
+    ax_diffs[-1].set(xlabel="step")
     ax_diffs[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_diffs[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(r.png_path, dpi=100)
 

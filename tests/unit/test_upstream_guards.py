@@ -226,3 +226,17 @@ def test_the_planner_trackers_private_torch_names_hold():
         ).parameters
     ) == ["self", "op_schema"]
     assert torch._C._current_graph_task_id() == -1  # outside the autograd engine
+
+
+def test_the_planners_private_schedule_names_hold():
+    """``planner.microbatches_in_flight`` reads a schedule's microbatch and stage
+    counts, which torch keeps private (no public accessor): a torch that renames
+    either fails here, by name, instead of inside the planner."""
+    from torch.distributed.pipelining import schedules
+
+    assert issubclass(schedules.Schedule1F1B, schedules.PipelineScheduleSingle)
+    assert issubclass(schedules.ScheduleGPipe, schedules.PipelineScheduleSingle)
+    init = inspect.getsource(schedules._PipelineSchedule.__init__)
+    single_init = inspect.getsource(schedules.PipelineScheduleSingle.__init__)
+    assert "self._n_microbatches = n_microbatches" in init
+    assert "self._num_stages = stage.num_stages" in single_init

@@ -40,7 +40,7 @@ def load_config(job: Sequence[str], layers: int = 0):
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()
-    from torchtitan_ext.tools.simulated_cluster import load_job
+    from torchtitan_ext.config_file import load_job
 
     config = load_job(list(job))
     model = config.model_spec.model

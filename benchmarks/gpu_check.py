@@ -259,8 +259,9 @@ def _one_rank(args, side: str, save) -> None:
 def _planner_job(args):
     """The planned job, the planner's batch, world size and first planned rank,
     as ``tools.estimate.cli.plan_job`` has them (a job without PP)."""
+    from torchtitan_ext.config_file import load_job
     from torchtitan_ext.tools.estimate.planner import ranks_to_plan
-    from torchtitan_ext.tools.simulated_cluster import job_world_size, load_job
+    from torchtitan_ext.tools.simulated_cluster import job_world_size
 
     job = ["--job.config_file", str(REPO / args.planner_config_file)]
     config = load_job(job + shlex.split(args.planner_args))

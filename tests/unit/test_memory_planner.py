@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from torchtitan_ext import cpu_backend
+from torchtitan_ext.config_file import load_job
 from torchtitan_ext.tools.estimate import cli
 from torchtitan_ext.tools.estimate.batch import image_size, synthetic_batch
 from torchtitan_ext.tools.estimate.planner import ranks_to_plan
-from torchtitan_ext.tools.simulated_cluster import load_job
 
 from ..jobs import TRAIN_CONFIGS
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchtitan_ext import config_file
-from torchtitan_ext.config_file import load_job  # the jobs need no data to plan
 
 if TYPE_CHECKING:  # torchtitan is imported after cpu_backend.apply(), in functions.
     from torch import nn
@@ -38,7 +37,6 @@ __all__ = [
     "SimulatedRank",
     "describe",
     "job_world_size",
-    "load_job",
     "main",
     "parse_job",
     "simulated_rank",
@@ -218,7 +216,7 @@ def parse_job(parser, argv: list[str] | None, **job_flags: str):
         job_args += [] if value is None else [flag, str(value)]
     job_args += overrides
     try:
-        return own, job_args, load_job(job_args)
+        return own, job_args, config_file.load_job(job_args)
     except config_file.ConfigFileError as e:
         parser.error(str(e))
 

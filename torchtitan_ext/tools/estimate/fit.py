@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 def _plan(job_args, key: dict, tokens_per_image, dp_shard_cp) -> dict:
     """The job at ``key``'s CP degree, with dp_shard making up its world size."""
-    from torchtitan_ext.tools.simulated_cluster import load_job
+    from torchtitan_ext.config_file import load_job
 
     seq_len, images, cp = key["seq_len"], key["images"], key["cp"]
     if dp_shard_cp % cp:

@@ -155,6 +155,7 @@ def run_suite(
         seed_checkpoint=seed_checkpoint,
         output_dir=output_dir(tmp_path, suite),
         timeout=TIMEOUT_S,
+        forked=True,
         **settings,
     )
     for name, result in results.items():

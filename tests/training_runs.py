@@ -1,7 +1,9 @@
 """Launch ``./run_train.sh`` from a test and read back what a run wrote.
 
 ``run_train`` is the parity harness's launcher (a hang is killed whole at the
-timeout) that fails the test on a failed run. ``checkpoint_tensors`` flattens a
+timeout) that fails the test on a failed run; its ranks fork from one process
+that imported torchtitan once (``forked``; ``local_ranks``), unless a test
+reads what torchrun itself reports. ``checkpoint_tensors`` flattens a
 DCP checkpoint (model and optimizer state, any world size) into
 ``{dotted.key: tensor}`` on one process.
 """
@@ -31,13 +33,14 @@ def run_train(
     *,
     timeout_s: float,
     env: dict[str, str] | None = None,
+    forked: bool = True,
 ) -> Path:
     """``CONFIG_FILE=train_configs/toml ./run_train.sh args`` on the ranks the
     file and ``args`` ask for; its dump folder."""
     job = RunSpec(
         config_file=str(REPO / "train_configs" / toml), options=shlex.join(args)
     )
-    return run_job(out, name, job, [], timeout_s=timeout_s, env=env)
+    return run_job(out, name, job, [], timeout_s=timeout_s, env=env, forked=forked)
 
 
 def run_job(
@@ -48,6 +51,7 @@ def run_job(
     *,
     timeout_s: float,
     env: dict[str, str] | None = None,
+    forked: bool = True,
 ) -> Path:
     """``./run_train.sh`` on ``job`` (its options, then ``args``); its dump folder.
 
@@ -61,6 +65,7 @@ def run_job(
         out / f"{name}.log",
         timeout=timeout_s,
         echo=False,
+        forked=forked,
     )
     if not record.ok:
         tail = "\n".join(Path(record.log_path).read_text().splitlines()[-40:])

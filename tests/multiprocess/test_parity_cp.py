@@ -322,6 +322,7 @@ def test_pipeline_job_resumes_bitwise(packed, tmp_path):
         tmp_path / f"{dump.name}.log",
         timeout=TIMEOUT_S,
         echo=False,
+        forked=True,
     )
     assert record.ok, record.failure()
     log = Path(record.log_path).read_text()

@@ -72,6 +72,7 @@ def test_pp2_run_rejects_vision_on_stage_1_on_every_rank(tmp_path):
             ["--training.steps=1", "--training.seq_len=256"],
             timeout_s=TIMEOUT_S,
             env={"LOG_RANK": "0,1"},
+            forked=False,  # reads torchrun's report of the ranks it stopped
         )
     log = (tmp_path / "rejected.log").read_text()
     _assert_raised_on_every_rank(log, "puts 'vision_encoder' in part 1")

@@ -1,14 +1,16 @@
 """The tests' and benchmarks' one launcher: a function on N gloo processes here.
 
-On ``torch.multiprocessing``, with a hard timeout. Each rank switches torchtitan to
-the CPU backend, sets torchrun's environment, joins one gloo group on 127.0.0.1
-(unless ``init_process_group=False``: a Trainer built in ``fn`` joins its own) and
-calls ``fn``, a picklable top-level function, unpickled after ``cpu_backend.apply()``
-(so a test module may import torchtitan at its top); results via ``torch.save``.
+On ``torch.multiprocessing``, with a hard timeout. Ranks fork from one server that
+imported torchtitan on the CPU backend once (``warm_ranks``); each takes the
+caller's environment and torchrun's, joins one gloo group on 127.0.0.1 (unless
+``init_process_group=False``: a Trainer built in ``fn`` joins its own) and calls
+``fn``, a picklable top-level function; results via ``torch.save``.
+``train_on_ranks`` runs a training entry module on them as torchrun would.
 """
 
 import os
 import pickle
+import runpy
 import socket
 import sys
 import tempfile
@@ -23,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "run_on_ranks"]
+__all__ = ["RankError", "free_port", "run_on_ranks", "train_on_ranks"]
+
+mp.get_context("forkserver").set_forkserver_preload(["torchtitan_ext.tools.warm_ranks"])
 
 
 class RankError(RuntimeError):
@@ -37,8 +41,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, payload, timeout_s, init_process_group, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world_size, port, env, payload, timeout_s, init_process_group, out):
+    os.environ.clear()  # the server's environment is the caller's at its start
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
         os.environ[name] = os.environ[f"LOCAL_{name}"] = str(value)
     try:
@@ -79,8 +84,11 @@ def run_on_ranks(
     name = f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks"
     payload = pickle.dumps((fn, args, kwargs))
     with tempfile.TemporaryDirectory(prefix="local-ranks-") as out:
-        common = (world_size, free_port(), payload, timeout_s, init_process_group, out)
-        context = mp.start_processes(_entry, common, nprocs=world_size, join=False)
+        env = dict(os.environ)
+        common = (world_size, free_port(), env, payload, timeout_s, init_process_group)
+        context = mp.start_processes(
+            _entry, (*common, out), world_size, join=False, start_method="forkserver"
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(max(0.0, deadline - time.monotonic()), 2.0):
@@ -100,3 +108,48 @@ def run_on_ranks(
             torch.load(Path(out, f"{r}.pt"), weights_only=False)
             for r in range(world_size)
         ]
+
+
+def _train(module: str, args: list[str], env: dict[str, str], logs: str) -> None:
+    """``python -m module *args`` on this rank, its output in ``logs/<rank>.log``."""
+    os.environ.update(env)
+    rank = int(os.environ["RANK"])
+    log = os.open(Path(logs, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if int(os.environ["WORLD_SIZE"]) > 1:
+        torch.set_num_threads(1)  # run_train.sh's OMP_NUM_THREADS=1
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+
+
+def train_on_ranks(
+    world_size: int,
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    logs: Path,
+    timeout_s: float | None,
+) -> None:
+    """``torchrun --nproc_per_node world_size -m module *args``, on forked ranks.
+
+    What the tests launch most (a hundred jobs a CI run): the same entry, job and
+    environment as ``run_train.sh``, without a fresh interpreter importing
+    torchtitan for every rank. Raises as ``run_on_ranks``.
+    """
+    logs.mkdir(parents=True, exist_ok=True)
+    run_on_ranks(
+        _train,
+        world_size,
+        module,
+        args,
+        env,
+        str(logs),
+        timeout_s=timeout_s or 3600.0,
+        init_process_group=False,
+    )

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--keep-mixed-precision", action="store_true", help="keep the job's dtype")
     add("--timeout", type=float, help="seconds per run (default: none)")
     add("--quiet", action="store_true", help="do not echo the runs' output")
+    add("--forked", action="store_true", help="fork the ranks, not torchrun (CPU)")
     add("--loss-tol", type=float, help="max |dloss| (default: %(default)s)")
     add("--grad-norm-tol", type=float, help="max |dgrad_norm| (default: %(default)s)")
     add("--exact", action="store_true", help="fail on any difference at all")

@@ -100,6 +100,68 @@ def _pump(src: IO[str], log: IO[str], echo: bool) -> None:
             print(line, end="", flush=True)
 
 
+def _torchrun(env: dict[str, str], argv: list[str], log: IO[str], timeout, echo):
+    """``argv`` in a session of its own, killed whole past ``timeout`` (a hang)."""
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo))
+    pump.start()
+    code, timed_out = None, False
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # timed out, or interrupted: kill the whole run
+        # torchrun and its ranks share the session we gave them.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if code is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = proc.wait(timeout=15)
+        pump.join(timeout=30)
+    return code, timed_out
+
+
+def _forked(env: dict[str, str], argv: list[str], log: IO[str], timeout, echo):
+    """``run_train.sh`` on ``local_ranks``' forked ranks: (exit code, timed out).
+
+    The same entry module, job arguments and environment; the log gets the
+    ``LOG_RANK`` ranks' output as torchrun's ``--tee`` gives it, after the run.
+    """
+    from torchtitan_ext.tools.local_ranks import RankError, train_on_ranks
+
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "NGPU": "1", **env}
+    if "CONFIG_FILE" in env:
+        job = ["--job.config_file", env["CONFIG_FILE"]]
+    else:
+        job = ["--module", env.get("MODULE", DEFAULT_MODULE), "--config"]
+        job.append(env.get("CONFIG", "muse_glimmer_debugmodel_mm_quickstart"))
+    code, timed_out, logs = 0, False, Path(log.name + ".ranks")
+    module = env.get("TRAIN_FILE", "torchtitan_ext.train")
+    try:
+        train_on_ranks(int(env["NGPU"]), module, job + argv[1:], env, logs, timeout)
+    except RankError as e:
+        code = 1
+        print(e, file=log)
+    except TimeoutError as e:
+        timed_out = True
+        print(e, file=log)
+    for rank in env.get("LOG_RANK", "0").split(","):
+        with contextlib.suppress(OSError), open(logs / f"{rank}.log") as lines:
+            for line in lines:
+                _pump([f"[rank{rank}]:{line}"], log, echo)
+    return code, timed_out
+
+
 def launch_run(
     name: str,
     job_env: dict[str, str],
@@ -108,11 +170,13 @@ def launch_run(
     *,
     timeout: float | None,
     echo: bool,
+    forked: bool = False,
 ) -> RunRecord:
     """Run one ``run_train.sh`` command to completion, teeing it to ``log_path``.
 
     torchrun and its ranks run in a session of their own, so that a run past
-    ``timeout`` (a hang) is killed whole.
+    ``timeout`` (a hang) is killed whole. ``forked``: the same run on ranks
+    forked by ``local_ranks`` instead of torchrun (the tests' parity runs).
     """
     # A copy-pasteable shell line, as loss_compare.py prints them.
     assigns = [f"{k}={shlex.quote(v)}" for k, v in job_env.items()]
@@ -126,31 +190,10 @@ def launch_run(
     start = time.monotonic()
     with open(log_path, "w") as log:
         print(f"# {command}", file=log, flush=True)
-        proc = subprocess.Popen(
-            argv,
-            env={**env, **job_env},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
+        run = _forked if forked else _torchrun
+        record.returncode, record.timed_out = run(
+            {**env, **job_env}, argv, log, timeout, echo
         )
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo))
-        pump.start()
-        try:
-            record.returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            record.timed_out = True
-        finally:  # timed out, or interrupted: kill the whole run
-            # torchrun and its ranks share the session we gave them.
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if record.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, sig)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        record.returncode = proc.wait(timeout=15)
-            pump.join(timeout=30)
     record.wall_s = time.monotonic() - start
     status = f"exit code {record.returncode}"
     if record.timed_out:

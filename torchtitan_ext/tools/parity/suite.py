@@ -123,6 +123,7 @@ class _Suite:
     keep_mixed_precision: bool = False  # the job's parameter dtype, not float32
     timeout: float | None = None  # per run, s
     launcher: str | os.PathLike[str] | None = None  # instead of run_train.sh
+    forked: bool = False  # on local_ranks' forked ranks instead of torchrun
     echo: bool = False  # the runs' output to stdout
     # Not options: what the seed and baseline runs leave for the tests.
     out: Path = field(init=False)
@@ -224,7 +225,9 @@ def _launch(s: _Suite, name: str, job_env: dict[str, str], argv: list[str]):
     fp32 = [] if s.keep_mixed_precision else _FP32
     argv = [s.launcher, f"--dump_folder={s.out / name}", *fp32, *argv]
     log = s.out / f"{name}.log"
-    record = launch_run(name, job_env, argv, log, timeout=s.timeout, echo=s.echo)
+    record = launch_run(
+        name, job_env, argv, log, timeout=s.timeout, echo=s.echo, forked=s.forked
+    )
     if not record.ok:
         tail = log_tail(record.log_path)
         print(f"[parity] last lines of {log}:\n{tail}", file=sys.stderr, flush=True)

@@ -5,7 +5,6 @@ imported torchtitan on the CPU backend once (``warm_ranks``); each takes the
 caller's environment and torchrun's, joins one gloo group on 127.0.0.1 (unless
 ``init_process_group=False``: a Trainer built in ``fn`` joins its own) and calls
 ``fn``, a picklable top-level function; results via ``torch.save``.
-``train_on_ranks`` runs a training entry module on them as torchrun would.
 """
 
 import os
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "run_on_ranks", "train_on_ranks"]
+__all__ = ["RankError", "free_port", "run_module", "run_on_ranks"]
 
 mp.get_context("forkserver").set_forkserver_preload(["torchtitan_ext.tools.warm_ranks"])
 
@@ -110,8 +109,10 @@ def run_on_ranks(
         ]
 
 
-def _train(module: str, args: list[str], env: dict[str, str], logs: str) -> None:
-    """``python -m module *args`` on this rank, its output in ``logs/<rank>.log``."""
+def run_module(module: str, args: list[str], env: dict[str, str], logs: str) -> None:
+    """``python -m module *args`` on this rank, as torchrun's ranks run it (with
+    ``env``), its output in ``logs/<rank>.log``: ``run_on_ranks(run_module, ...,
+    init_process_group=False)`` is ``torchrun`` without an interpreter per rank."""
     os.environ.update(env)
     rank = int(os.environ["RANK"])
     log = os.open(Path(logs, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -126,30 +127,3 @@ def _train(module: str, args: list[str], env: dict[str, str], logs: str) -> None
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
-
-
-def train_on_ranks(
-    world_size: int,
-    module: str,
-    args: list[str],
-    env: dict[str, str],
-    logs: Path,
-    timeout_s: float | None,
-) -> None:
-    """``torchrun --nproc_per_node world_size -m module *args``, on forked ranks.
-
-    What the tests launch most (a hundred jobs a CI run): the same entry, job and
-    environment as ``run_train.sh``, without a fresh interpreter importing
-    torchtitan for every rank. Raises as ``run_on_ranks``.
-    """
-    logs.mkdir(parents=True, exist_ok=True)
-    run_on_ranks(
-        _train,
-        world_size,
-        module,
-        args,
-        env,
-        str(logs),
-        timeout_s=timeout_s or 3600.0,
-        init_process_group=False,
-    )

@@ -137,18 +137,22 @@ def _forked(env: dict[str, str], argv: list[str], log: IO[str], timeout, echo):
     The same entry module, job arguments and environment; the log gets the
     ``LOG_RANK`` ranks' output as torchrun's ``--tee`` gives it, after the run.
     """
-    from torchtitan_ext.tools.local_ranks import RankError, train_on_ranks
+    from torchtitan_ext.tools.local_ranks import RankError, run_module, run_on_ranks
 
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "NGPU": "1", **env}
+    if env.get("NNODES", "1") != "1":
+        raise ValueError(f"forked runs are one node, not NNODES={env['NNODES']}")
     if "CONFIG_FILE" in env:
         job = ["--job.config_file", env["CONFIG_FILE"]]
     else:
         job = ["--module", env.get("MODULE", DEFAULT_MODULE), "--config"]
         job.append(env.get("CONFIG", "muse_glimmer_debugmodel_mm_quickstart"))
     code, timed_out, logs = 0, False, Path(log.name + ".ranks")
-    module = env.get("TRAIN_FILE", "torchtitan_ext.train")
+    logs.mkdir(exist_ok=True)
+    module, ranks = env.get("TRAIN_FILE", "torchtitan_ext.train"), int(env["NGPU"])
+    run = (run_module, ranks, module, job + argv[1:], env, str(logs))
     try:
-        train_on_ranks(int(env["NGPU"]), module, job + argv[1:], env, logs, timeout)
+        run_on_ranks(*run, timeout_s=timeout or 3600.0, init_process_group=False)
     except RankError as e:
         code = 1
         print(e, file=log)

@@ -139,9 +139,7 @@ def run_job(parser: argparse.ArgumentParser, argv, measure, report) -> int:
     return 0
 
 
-def row_parser(
-    doc: str, *, seq_len: int, images: Sequence[int], tokens: int, json: str
-):
+def row_parser(doc: str, *, seq_len: int, images: list[int], tokens: int, json: str):
     """One synthetic row's shape, checked by ``parse_row``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     add = parser.add_argument
@@ -205,11 +203,9 @@ def run_degrees(args: argparse.Namespace, measure, row, report) -> None:
             )
         for rank_rows in zip(*(rank for rank, _ in results), strict=True):
             images = rank_rows[0]["images"]
-            rows.append(
-                {"cp": cp, "images": images}
-                | {"vision_tokens": images * args.tokens_per_image}
-                | row(args, list(rank_rows))
-            )
+            tokens = images * args.tokens_per_image
+            facts = {"cp": cp, "images": images, "vision_tokens": tokens}
+            rows.append(facts | row(args, list(rank_rows)))
         print(f"CP{cp}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(report(args, rows))
     write_json(args.json, {"settings": vars(args), "rows": rows})
@@ -284,20 +280,20 @@ def train_step(trainer, batch: Batch) -> float:
     return timed_ms(trainer, trainer.train_step, iter([batch]))[0]
 
 
-def synthetic_batch(model, seq_len: int, images: int, tokens_per_image, rows=1):
+def synthetic_batch(model, seq_len: int, images: int, tokens, rows=1):
     """CPU rows of model config ``model``, as the memory planner plans them (the
-    two compare); ``tokens_per_image`` None: the planner's default size."""
+    two compare); ``tokens`` per image, None: the planner's default size."""
     from torchtitan_ext.tools.estimate import batch
 
-    size = batch.image_size(
-        model.vision_encoder,
-        seq_len=seq_len,
-        images=images,
-        tokens_per_image=tokens_per_image,
-    )
-    return batch.synthetic_batch(
-        model, rows=rows, seq_len=seq_len, images=images, size=size
-    )
+    shape = dict(seq_len=seq_len, images=images)
+    size = batch.image_size(model.vision_encoder, **shape, tokens_per_image=tokens)
+    return batch.synthetic_batch(model, rows=rows, **shape, size=size)
+
+
+def row_batch(args, trainer, images: int, seq_len: int | None = None):
+    """``synthetic_batch`` of ``row_parser``'s shape for ``trainer``'s model."""
+    seq_len = seq_len or args.seq_len
+    return synthetic_batch(trainer.model_config, seq_len, images, args.tokens_per_image)
 
 
 def in_pairs(variants: dict[str, Callable[[], Any]], pairs: int) -> dict[str, list]:

@@ -13,6 +13,7 @@ resized outside the dispatcher (FSDP2's unsharded parameters) are not seen.
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
+from unittest import mock
 
 import torch
 from torch import nn
@@ -48,8 +49,8 @@ def storage_bytes(tensors) -> int:
     return sum(storage.nbytes() for storage in _storages(tensors).values())
 
 
-def graph_nodes(outputs, stop: set) -> list:
-    """Autograd nodes from ``outputs`` back to (excluding) the nodes in ``stop``."""
+def graph_nodes(outputs, stop: set) -> dict[int, object]:
+    """Autograd nodes by id from ``outputs`` back to (excluding) the ids in ``stop``."""
     roots = [t.grad_fn for t in _plain_tensors(outputs) if t.grad_fn is not None]
     seen: dict[int, object] = {}
     while roots:
@@ -58,7 +59,7 @@ def graph_nodes(outputs, stop: set) -> list:
             continue
         seen[id(node)] = node
         roots.extend(next_node for next_node, _ in node.next_functions)
-    return list(seen.values())
+    return seen
 
 
 class LiveMemory(TorchDispatchMode):
@@ -99,8 +100,7 @@ class LiveMemory(TorchDispatchMode):
     def _exit_vision(self, module, args, output) -> None:
         self._vision_depth -= 1
         stop = module.__dict__.pop("_live_memory_input_nodes", set())
-        for node in graph_nodes(output, stop):
-            self._vision_nodes[id(node)] = node
+        self._vision_nodes.update(graph_nodes(output, stop))
 
     def _category(self) -> str:
         if torch._C._current_graph_task_id() != -1:
@@ -138,14 +138,9 @@ class LiveMemory(TorchDispatchMode):
         kernel = func.py_kernels[DispatchKey.CompositeExplicitAutograd]
         if self._kernel is not None:
             return kernel(*args, **kwargs)
-        category = self._category()
-        self._kernel = (category, [])
-        try:
-            with self:
-                out = kernel(*args, **kwargs)
-        finally:
-            allocated = set(self._kernel[1])
-            self._kernel = None
+        category, allocated = self._category(), []
+        with mock.patch.object(self, "_kernel", (category, allocated)), self:
+            out = kernel(*args, **kwargs)
         for key in _storages(out):
             if key in self._live and key in allocated:  # re-filed to its region
                 nbytes, old, ref = self._live[key]

@@ -41,9 +41,12 @@ def modes_at(trainer, modes: Sequence[str]) -> list[str]:
     return list(modes) if trainer.parallel_dims.cp_enabled else ["replicated"]
 
 
-def with_vision_share(trainer, batch: _harness.Batch) -> _harness.Batch:
+def with_vision_share(trainer, batch: _harness.Batch, mode=None) -> _harness.Batch:
     """A copy of ``batch`` as ``batch_generator`` yields it (in sharded mode with
-    this rank's share): the forward records a mode-dependent spmd type on it."""
+    this rank's share), in ``mode`` if given: the forward records a mode-dependent
+    spmd type on it."""
+    if mode is not None:
+        set_vision_mode(trainer, mode)
     return next(trainer.batch_generator([_harness.clone_batch(batch)]))
 
 
@@ -101,14 +104,10 @@ class ExchangeBytes(contextlib.AbstractContextManager):
 
     def _exchange(self, exchange):
         def counted(local_rows_RD, *args, **kwargs):
-            self._depth += 1
-            try:
+            with mock.patch.object(self, "_depth", self._depth + 1):
                 bank_TD = exchange(local_rows_RD, *args, **kwargs)
-            finally:
-                self._depth -= 1
             stop = {id(local_rows_RD.grad_fn)} if local_rows_RD.grad_fn else set()
-            for node in graph_nodes(bank_TD, stop):
-                self._nodes[id(node)] = node
+            self._nodes.update(graph_nodes(bank_TD, stop))
             return bank_TD
 
         return counted

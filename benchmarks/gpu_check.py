@@ -107,10 +107,8 @@ def _finish(run: tuple, folder: Path, deadline: float) -> dict:
     if error:
         error += ": ..." + (folder / f"{name}.log").read_text(errors="replace")[-3000:]
     out = folder / f"{name}.json"
-    return {
-        "error": error,
-        "result": json.loads(out.read_text()) if out.exists() else None,
-    }
+    result = json.loads(out.read_text()) if out.exists() else None
+    return {"error": error, "result": result}
 
 
 def _ratios(sections: dict) -> dict:

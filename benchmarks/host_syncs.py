@@ -20,7 +20,6 @@ import contextlib
 import os
 import sys
 import sysconfig
-from typing import NamedTuple
 from unittest import mock
 
 import _harness  # benchmarks/, first on sys.path when run as a script
@@ -33,8 +32,7 @@ TARGET_PHASES = ("post_dataloading_process", "forward+backward")
 OWNERS = ("torchtitan_ext", "torchtitan", "torch")
 
 _aten = torch.ops.aten
-_VALUE_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"}
-_VALUE_READS |= {"__index__"}
+_VALUE_READS = set("item tolist numpy cpu __bool__ __int__ __float__ __index__".split())
 _DATA_DEPENDENT_OPS = {
     getattr(_aten, name).default
     for name in "_local_scalar_dense nonzero masked_select _unique _unique2 "
@@ -49,13 +47,7 @@ _TORCH_WRAPPERS += ("torch/utils/_python_dispatch.py", "torch/_ops.py")
 _TORCH_WRAPPERS += ("torch/_dynamo/eval_frame.py", "torch/_compile.py")
 _SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(_harness.__file__)}
 _STDLIB = sysconfig.get_paths()["stdlib"]
-
-
-class SyncSite(NamedTuple):
-    phase: str
-    owner: str
-    site: str
-    op: str
+SyncSite = collections.namedtuple("SyncSite", "phase owner site op")
 
 
 def _owner(path: str) -> str | None:
@@ -78,10 +70,8 @@ def _attribute(phase: str, op: str) -> SyncSite:
         if frame_owner is not None and not path.endswith(_TORCH_WRAPPERS):
             owner = owner or frame_owner
             if frame_owner in OWNERS[:2]:  # the plug-in or torchtitan
-                short = path.rsplit(f"/{frame_owner}/", 1)[1]
-                site = (
-                    f"{frame_owner}/{short}:{frame.f_lineno} ({frame.f_code.co_name})"
-                )
+                file = frame_owner + "/" + path.rsplit(f"/{frame_owner}/", 1)[1]
+                site = f"{file}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     if node is not None:
@@ -122,16 +112,13 @@ class _ValueReads(TorchFunctionMode):
         kwargs, recorder = kwargs or {}, self.recorder
         name = getattr(func, "__name__", "")
         reads = name in _VALUE_READS and args and isinstance(args[0], torch.Tensor)
-        if recorder.in_value_read or not (
-            reads and (recorder.on_host or args[0].device.type != "cpu")
-        ):
+        reads = reads and (recorder.on_host or args[0].device.type != "cpu")
+        if recorder.in_value_read or not reads:
             return func(*args, **kwargs)
         recorder.record(f"Tensor.{name}")
-        recorder.in_value_read = True  # the ops it runs are this one sync
-        try:
+        # The ops it runs are this one sync.
+        with mock.patch.object(recorder, "in_value_read", True):
             return func(*args, **kwargs)
-        finally:
-            recorder.in_value_read = False
 
 
 class Recorder(TorchDispatchMode):
@@ -213,13 +200,9 @@ def _report(args, job: dict, results: list[dict]) -> tuple[str, dict]:
         set().union(*per_rank), key=lambda s: (s.phase != BATCH_GENERATOR, *s)
     )
     rows = [site._asdict() | {"counts": [c[site] for c in per_rank]} for site in sites]
+    targets = [site for site in sites if site.phase in TARGET_PHASES]
     in_scope = {  # per owner, each rank's count in the target phases
-        owner: [
-            sum(
-                n for s, n in c.items() if s.owner == owner and s.phase in TARGET_PHASES
-            )
-            for c in per_rank
-        ]
+        owner: [sum(c[s] for s in targets if s.owner == owner) for c in per_rank]
         for owner in sorted({site.owner for site in sites} | set(OWNERS))
     }
     columns = [("phase", "{phase}"), ("owner", "{owner}"), ("site", "`{site}`")]

@@ -26,7 +26,7 @@ from unittest import mock
 import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
 from _harness import MIB
-from _vision_modes import ExchangeBytes, modes_at, set_vision_mode, with_vision_share
+from _vision_modes import ExchangeBytes, modes_at, with_vision_share
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def _state_bytes(trainer) -> dict[str, int]:
     }
 
 
-def _measure_step(trainer, batch, vision_modules) -> dict:
+def _measure_step(trainer, mode: str, batch, vision_modules) -> dict:
     from _live_memory import LiveMemory
     from torchtitan.tools.utils import device_module
 
@@ -68,7 +68,7 @@ def _measure_step(trainer, batch, vision_modules) -> dict:
 
     tracker = LiveMemory(vision_modules)
     fwd_bwd = trainer.forward_backward_step
-    batch = with_vision_share(trainer, batch)
+    batch = with_vision_share(trainer, batch, mode)
     # CP sharding compiles create_block_mask, which no dispatch mode may watch:
     # the step's inputs are prepared (by the real hook) before it starts.
     prepared = trainer.post_dataloading_process(*batch)
@@ -118,21 +118,13 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     vision_modules = [getattr(model, fqn) for fqn in VISION_MODULE_FQNS]
     modes = modes_at(trainer, args.vision)
     # One-time allocations (FSDP lazy init, optimizer state) stay out.
-    warm_up = _harness.synthetic_batch(
-        trainer.model_config, min(args.seq_len, 1024), 1, args.tokens_per_image
-    )
+    warm_up = _harness.row_batch(args, trainer, 1, min(args.seq_len, 1024))
     for mode in modes:
-        set_vision_mode(trainer, mode)
-        _measure_step(trainer, warm_up, vision_modules)
+        _measure_step(trainer, mode, warm_up, vision_modules)
     rows = []
     for images in args.images:
-        batch = _harness.synthetic_batch(
-            trainer.model_config, args.seq_len, images, args.tokens_per_image
-        )
-        measured = {}
-        for mode in modes:
-            set_vision_mode(trainer, mode)
-            measured[mode] = _measure_step(trainer, batch, vision_modules)
+        batch = _harness.row_batch(args, trainer, images)
+        measured = {m: _measure_step(trainer, m, batch, vision_modules) for m in modes}
         for mode in args.vision:
             row = measured.get(mode, measured[modes[0]])
             rows.append({"images": images, "vision": mode, **row})
@@ -140,11 +132,9 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
 
 
 # Rank figures reported (in MiB) on the rank where each is largest.
-_MOST = (
-    *("decoder_activation", "vision_activation"),
-    *("decoder_attn_scratch", "vision_attn_scratch", "peak_rss"),
-    *("exchange_forward", "exchange_backward", "exchange_wire"),
-)
+_MOST = ("decoder_activation", "vision_activation", "decoder_attn_scratch")
+_MOST += ("vision_attn_scratch", "peak_rss")
+_MOST += ("exchange_forward", "exchange_backward", "exchange_wire")
 
 
 def _row(args, rank_rows: list[dict]) -> dict:
@@ -204,9 +194,8 @@ def _report(args, rows: list[dict]) -> str:
     for r in rows:
         b = by_key[1, r["images"], r["vision"]]
         for name in ("decoder", "vision", "total"):
-            r[f"{name}_ratio_vs_cp1"] = (
-                r[f"{name}_activation_mib"] / b[f"{name}_activation_mib"]
-            )
+            key = f"{name}_activation_mib"
+            r[f"{name}_ratio_vs_cp1"] = r[key] / b[key]
         rep = by_key.get((r["cp"], r["images"], "replicated"))
         if r["vision"] == "sharded" and rep is not None:
             key = "vision_activation_mib"
@@ -215,11 +204,7 @@ def _report(args, rows: list[dict]) -> str:
     text = _harness.table(_COLUMNS, order, left=["vision"])
     if "sharded" not in args.vision or "replicated" not in args.vision:
         return text
-    sharded = [
-        r
-        for r in sorted(rows, key=lambda r: (r["images"], r["cp"]))
-        if r["cp"] > 1 and "vision_saved_mib" in r
-    ]
+    sharded = [r for r in order if r["cp"] > 1 and "vision_saved_mib" in r]
     text += "\n\nSharded vision: bytes exchanged vs activation bytes saved, per rank\n"
     return text + _harness.table(_EXCHANGE_COLUMNS, sharded)
 
@@ -243,22 +228,21 @@ for _kind, _title in zip(_PLANNED, _TITLES, strict=True):
     _PLAN_COLUMNS.append(("ratio", f"{{ratio[{_kind}]:.3f}}"))
 
 
-def _plan(settings: argparse.Namespace, cp: int, images: int, vision: str):
-    """The planner's estimates of every simulated rank of one setting."""
+def _compare(settings: argparse.Namespace, measured_row: dict) -> dict:
+    """A measured row beside the planner's estimates of every simulated rank."""
     from torchtitan_ext.tools.estimate.cli import plan_job
 
+    row = {k: measured_row[k] for k in ("cp", "images", "vision")}
+    cp, images, vision = row.values()
     job = _harness.degree_job(settings, cp, dump=str(_harness.OUTPUTS.parent))
-    vision_flag = ["--parallelism.context_parallel_vision", vision]
-    config = _harness.load_config(job + vision_flag, settings.layers)
+    job += ["--parallelism.context_parallel_vision", vision]
+    config = _harness.load_config(job, settings.layers)
     tokens = settings.tokens_per_image
-    return plan_job(config, images=images, tokens_per_image=tokens, world_size=cp)[2]
-
-
-def _compare(measured_row: dict, estimates) -> dict:
+    plan = plan_job(config, images=images, tokens_per_image=tokens, world_size=cp)
     measured = {k: max(map(f, measured_row["ranks"])) for k, f in _MEASURED.items()}
-    planned = {k: max(map(f, estimates)) for k, f in _PLANNED.items()}
+    planned = {k: max(map(f, plan[2])) for k, f in _PLANNED.items()}
     return {
-        **{k: measured_row[k] for k in ("cp", "images", "vision")},
+        **row,
         "planned_mib": {k: v / MIB for k, v in planned.items()},
         "measured_mib": {k: v / MIB for k, v in measured.items()},
         "ratio": {k: planned[k] / measured[k] for k in planned},
@@ -276,8 +260,7 @@ def _planned(args) -> None:
             continue
         if row["cp"] == 1 and row["vision"] == "sharded":
             continue  # CP1 runs the replicated path in both modes
-        estimates = _plan(settings, row["cp"], row["images"], row["vision"])
-        rows.append(_compare(row, estimates))
+        rows.append(_compare(settings, row))
     print(
         f"Planner vs measured ({args.json.name}): seq_len {settings.seq_len}, "
         f"{settings.tokens_per_image} tokens per image, {settings.layers} decoder "

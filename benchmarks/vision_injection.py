@@ -99,35 +99,23 @@ def _measure(args, dim: int, images: int) -> dict:
             raise AssertionError(
                 f"{name} disagrees with upstream (values or gradients)"
             )
-    runs = _harness.in_pairs(
-        {
-            name: lambda inject=inject: _forward_backward(inject, tensors)[0]
-            for name, inject in sides.items()
-        },
-        args.repeats,
-    )
-    times = {
-        (name, phase): [run[phase] for run in side_runs]
-        for name, side_runs in runs.items()
-        for phase in ("forward_ms", "backward_ms", "total_ms")
+    variants = {
+        name: lambda inject=inject: _forward_backward(inject, tensors)[0]
+        for name, inject in sides.items()
     }
-    for (name, phase), ms in times.items():
-        key = f"{name}_ms" if phase == "total_ms" else f"{name}_{phase}"
-        row[key] = statistics.median(ms)
-    row["speedup"], row["speedup_quartiles"] = _harness.median_pair_ratio(
-        times["upstream", "total_ms"], times["plugin", "total_ms"]
-    )
+    runs = _harness.in_pairs(variants, args.repeats)
+    for name, side_runs in runs.items():
+        for phase in ("forward_ms", "backward_ms", "total_ms"):
+            key = f"{name}_ms" if phase == "total_ms" else f"{name}_{phase}"
+            row[key] = statistics.median(run[phase] for run in side_runs)
+    totals = ([run["total_ms"] for run in runs[n]] for n in ("upstream", "plugin"))
+    row["speedup"], row["speedup_quartiles"] = _harness.median_pair_ratio(*totals)
     return row
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _harness.row_parser(
-        __doc__,
-        seq_len=8192,
-        images=[1, 16, 64, 256],
-        tokens=16,
-        json="vision_injection.json",
-    )
+    row = dict(seq_len=8192, images=[1, 16, 64, 256], tokens=16)
+    parser = _harness.row_parser(__doc__, **row, json="vision_injection.json")
     parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS.values()))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)

@@ -99,8 +99,7 @@ def _vision_pass(trainer, model_inputs, h0_BLD, grad_BLD) -> dict[str, float]:
 
 def _train_step(trainer, mode: str, batch) -> float:
     """One ``Trainer.train_step`` in ``mode`` on a fresh copy of ``batch`` (ms)."""
-    set_vision_mode(trainer, mode)
-    return _harness.train_step(trainer, with_vision_share(trainer, batch))
+    return _harness.train_step(trainer, with_vision_share(trainer, batch, mode))
 
 
 def _timer(args, trainer, modes: list[str], batch):
@@ -110,18 +109,14 @@ def _timer(args, trainer, modes: list[str], batch):
         def timed_step(mode: str) -> dict[str, float]:
             check = trainer.batch_agreement.check
             agreement_ms, _ = _harness.timed_ms(trainer, check, *batch, "the benchmark")
-            return {
-                "agreement_ms": agreement_ms,
-                "step_ms": _train_step(trainer, mode, batch),
-            }
+            step_ms = _train_step(trainer, mode, batch)
+            return {"agreement_ms": agreement_ms, "step_ms": step_ms}
 
         return timed_step, {}
-    inputs = {}  # each mode's model inputs, untimed
-    for mode in modes:
-        set_vision_mode(trainer, mode)
-        inputs[mode] = trainer.post_dataloading_process(
-            *with_vision_share(trainer, batch)
-        )
+    inputs = {  # each mode's model inputs, untimed
+        mode: trainer.post_dataloading_process(*with_vision_share(trainer, batch, mode))
+        for mode in modes
+    }
     generator = torch.Generator().manual_seed(1)
     shape_BLD = (*inputs[modes[0]][0].shape, trainer.model_config.dim)
     h0_BLD, grad_BLD = (
@@ -142,16 +137,12 @@ def _measure(args: argparse.Namespace, trainer) -> list[dict]:
     modes = modes_at(trainer, args.vision)
     if args.scope == "vision":
         # One-time work (FSDP lazy init, optimizer state) stays out.
-        warm_up = _harness.synthetic_batch(
-            trainer.model_config, min(args.seq_len, 1024), 1, args.tokens_per_image
-        )
+        warm_up = _harness.row_batch(args, trainer, 1, min(args.seq_len, 1024))
         for mode in modes:
             _train_step(trainer, mode, warm_up)
     rows = []
     for images in args.images:
-        batch = _harness.synthetic_batch(
-            trainer.model_config, args.seq_len, images, args.tokens_per_image
-        )
+        batch = _harness.row_batch(args, trainer, images)
         timed, facts = _timer(args, trainer, modes, batch)
         for _ in range(args.warmup):
             for mode in modes:
@@ -177,11 +168,9 @@ def _row(args, rank_rows: list[dict]) -> dict:
     }
     row = {f"{m}_{p}": statistics.median(t) for (m, p), t in slowest.items()}
     if ("sharded", total) in slowest:
-        row["sharded_ratio"], row["sharded_ratio_quartiles"] = (
-            _harness.median_pair_ratio(
-                slowest["sharded", total], slowest["replicated", total]
-            )
-        )
+        pair = slowest["sharded", total], slowest["replicated", total]
+        ratio, quartiles = _harness.median_pair_ratio(*pair)
+        row["sharded_ratio"], row["sharded_ratio_quartiles"] = ratio, quartiles
     if "replicated_agreement_ms" in row:
         agreement_ms = row["replicated_agreement_ms"]
         row["agreement_pct_of_step"] = 100 * agreement_ms / row[f"replicated_{total}"]
@@ -268,10 +257,6 @@ def _preprocess_step(trainer, cpu_batch, pairs: int) -> dict:
     }
 
 
-_MEDIANS = ("upstream_post_ms", "plugin_post_ms", "added_ms", "added_cpu_ms")
-_MEDIANS += ("index_ms", "check_ms", "step_ms")
-
-
 def _preprocess(args, trainer) -> dict:
     """This rank's steps, their medians and the medians' share of the step."""
     batches = trainer.batch_generator(trainer.dataloader)
@@ -279,7 +264,8 @@ def _preprocess(args, trainer) -> dict:
         _preprocess_step(trainer, next(batches), args.pairs)
         for _ in range(args.warmup + args.steps)
     ][args.warmup :]
-    median = {key: statistics.median(step[key] for step in steps) for key in _MEDIANS}
+    timed = [key for key in steps[0] if key.endswith("_ms")]  # not the pairs
+    median = {key: statistics.median(step[key] for step in steps) for key in timed}
     pct = {key: median[f"{key}_ms"] for key in ("added", "added_cpu", "index")}
     return {
         "rank": torch.distributed.get_rank(),

@@ -25,7 +25,6 @@ images each step's vision encoder saw. ``test_parity_cp.py`` runs the compiled
 CP jobs in its packed suite and reads these reports.
 """
 
-import atexit
 import json
 import os
 import sys
@@ -57,8 +56,9 @@ COMPILE = "--compile.enable --compile.backend aot_eager"
 VARIANT_RECOMPILES, SHAPE_RECOMPILES = 4, 2
 
 
-def _install_report(folder: Path) -> None:
-    """Record this rank's graph breaks, recompilations and images; write at exit."""
+def _install_report(folder: Path):
+    """Record this rank's graph breaks, recompilations and images; returns the
+    function that writes them."""
     import torch
     import torch._dynamo.convert_frame as convert_frame
     from torch._dynamo.utils import counters
@@ -131,18 +131,21 @@ def _install_report(folder: Path) -> None:
         path = folder / f"rank{report['rank']}.json"
         path.write_text(json.dumps(report, indent=1) + "\n")
 
-    atexit.register(write)
+    return write
 
 
 def main() -> None:
     from torchtitan_ext import cpu_backend
 
     cpu_backend.apply()
-    _install_report(Path(os.environ[REPORT_ENV]))
+    write = _install_report(Path(os.environ[REPORT_ENV]))
 
     from torchtitan_ext.train import main as train_main
 
-    train_main()
+    try:  # not atexit: a rank forked by local_ranks ends without running it
+        train_main()
+    finally:
+        write()
 
 
 def read_reports(folder: Path) -> dict[int, dict]:

@@ -112,7 +112,8 @@ def run_on_ranks(
 def run_module(module: str, args: list[str], env: dict[str, str], logs: str) -> None:
     """``python -m module *args`` on this rank, as torchrun's ranks run it (with
     ``env``), its output in ``logs/<rank>.log``: ``run_on_ranks(run_module, ...,
-    init_process_group=False)`` is ``torchrun`` without an interpreter per rank."""
+    init_process_group=False)`` is ``torchrun`` without an interpreter per rank.
+    As in any forked child, ``atexit`` handlers do not run."""
     os.environ.update(env)
     rank = int(os.environ["RANK"])
     log = os.open(Path(logs, f"{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

@@ -1,8 +1,7 @@
 """A Hugging Face muse_glimmer checkpoint of the plug-in's debug multimodal model.
 
 ``python -m torchtitan_ext.tools.hf_checkpoint --out DIR [--seed N | --from-dcp PATH]``
-(README: "Hugging Face weights and the transformers reference").
-"""
+(README: "Hugging Face weights and the transformers reference")."""
 
 import argparse
 import json
@@ -125,8 +124,7 @@ def write_hf_checkpoint(out: Path, state_dict: dict[str, torch.Tensor]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.contiguous() for key, value in hf_state.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.dumps(hf_config(spec.model), indent=2) + "\n"
-    (out / "config.json").write_text(config)
+    (out / "config.json").write_text(json.dumps(hf_config(spec.model), indent=2) + "\n")
     return out
 
 

@@ -12,14 +12,13 @@ The config, start-up checks, meshes, model and the ModelSpec's ``parallelize_fn`
 world size, and parameters stay on the meta device. torchtitan's own ``--comm.mode
 fake_backend`` would run the whole Trainer (materialized parameters, tokenizer,
 dataloader, a step: GiBs and hours for a 30B_mm rank on a CPU). A process has
-one default process group: ``simulated_rank`` owns it for its ``with`` block.
-"""
+one default process group: ``simulated_rank`` owns it for its ``with`` block."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,21 +64,19 @@ class SimulatedRank:
 def job_world_size(config) -> int:
     """``config_file.job_ranks``, with ``data_parallel_shard_degree`` explicit:
     with -1 the job fits any multiple of the other degrees."""
-    if config.parallelism.data_parallel_shard_degree < 1:
+    if (degree := config.parallelism.data_parallel_shard_degree) < 1:
         raise ValueError(
-            "data_parallel_shard_degree="
-            f"{config.parallelism.data_parallel_shard_degree} leaves the world size "
-            "to the launcher; pass world_size (--world-size) to simulate the job."
+            f"data_parallel_shard_degree={degree} leaves the world size to the "
+            "launcher; pass world_size (--world-size) to simulate the job."
         )
     return config_file.job_ranks(config)
 
 
 @contextlib.contextmanager
 def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
-    """DTensor's sharding cache compares meshes by value: a job simulated again
-    would get DTensors on the previous run's destroyed meshes, which FSDP
-    refuses, so the cache is cleared on the way in and out. (A second default
-    process group is refused by torch.)"""
+    """DTensor's sharding cache compares meshes by value: a job simulated again gets
+    DTensors on the previous run's destroyed meshes, which FSDP refuses, so the cache
+    is cleared on entry and exit (torch refuses a second default process group)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torchtitan.distributed.utils import init_fake_mode
@@ -95,8 +92,7 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def spmd_backend(name: str):
-    """torchtitan's process-wide SPMD backend, set as the Trainer sets it and
-    restored after."""
+    """torchtitan's process-wide SPMD backend, set as the Trainer does and restored."""
     from torchtitan.distributed import utils as dist_utils
 
     previous = dist_utils.get_spmd_backend()
@@ -191,12 +187,11 @@ def describe(simulated: SimulatedRank) -> str:
         units = sum(isinstance(module, FSDPModule) for module in part.modules())
         params = list(part.parameters())
         local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        devices = sorted({str(p.device) for p in local})
         lines.append(
             f"model part {index}: {', '.join(children)}; {units} FSDP units; "
             f"{sum(p.numel() for p in local) / 1e9:.3f}B of its "
             f"{sum(p.numel() for p in params) / 1e9:.3f}B parameters held here, "
-            f"on {', '.join(devices)}"
+            f"on {', '.join(sorted({str(p.device) for p in local}))}"
         )
     return "\n".join(lines)
 
@@ -222,8 +217,6 @@ def parse_job(parser, argv: list[str] | None, **job_flags: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.tools.simulated_cluster",
         description=__doc__.split("\n\n")[0],
@@ -236,4 +229,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

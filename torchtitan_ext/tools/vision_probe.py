@@ -5,16 +5,14 @@ checkpoint; ``--out DIR [--seeds ...] [--jobs ...]`` trains and probes runs over
 seeds (README: "Vision probe over seeds"); runs already in ``DIR`` are not retrained.
 
 The embedded captions are a function of the image (``torchtitan_ext.embedded_data``),
-so a model that learned the vision path predicts caption tokens much better with
-the sample's own image than with another sample's. The probe loads a DCP
-checkpoint's model keys into the plug-in model (one CPU process, fp32) and scores
-N batches of the job's own ``MMDataLoader`` twice: as they are, and with the
-images moved along one random cycle among those of equal ``grid_thw`` (so the
-placeholder counts stay valid). ``--heldout-seed S`` scores freshly generated
-images no run has seen: the gap then shows that the model reads images rather
-than recognising memorised samples; a run has learned when that gap exceeds
-``--margin``.
-"""
+so a model that learned the vision path predicts caption tokens much better with the
+sample's own image than with another sample's. The probe loads a DCP checkpoint's
+model keys into the plug-in model (one CPU process, fp32) and scores N batches of the
+job's own ``MMDataLoader`` twice: as they are, and with the images moved along one
+random cycle among those of equal ``grid_thw`` (so the placeholder counts stay
+valid). ``--heldout-seed S`` scores freshly generated images no run has seen: the
+gap then shows that the model reads images rather than recognising memorised
+samples; a run has learned when that gap exceeds ``--margin``."""
 
 import argparse
 import itertools
@@ -141,9 +139,8 @@ def shuffle_images(
 ) -> tuple[list[_Batch], float, int]:
     """(batches with images permuted among equal grids, fraction moved, images).
 
-    Pixel rows are padded per batch: a moved image fills as many patches in its
-    new row, and the padding stays as the collator left it.
-    """
+    Pixel rows are padded per batch: a moved image fills as many patches in its new
+    row, and the padding stays as the collator left it."""
     import torch
 
     slots: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -180,9 +177,8 @@ def shuffle_images(
 def caption_loss(model, batches: list[_Batch]) -> float:
     """Summed fp32 cross-entropy over labels != -100 (the caption tokens).
 
-    Inputs as the plug-in Trainer builds them (no CP); the jobs' ``spmd_types``
-    backend needs a device mesh, ``partial_dtensor`` computes the same without.
-    """
+    Inputs as the plug-in Trainer builds them (no CP); the jobs' ``spmd_types`` backend
+    needs a device mesh, ``partial_dtensor`` computes the same without."""
     import torch
     import torch.nn.functional as F
 
@@ -201,12 +197,9 @@ def caption_loss(model, batches: list[_Batch]) -> float:
                     image_id=inputs["special_tokens"]["image_id"],
                     spatial_merge_size=model.config.vision_encoder.downsample_factor,
                 )
-            logits = model(inputs["input"], **kwargs).float()
+            logits = model(inputs["input"], **kwargs).float().flatten(0, 1)
             # ignore_index is -100 by default, as the collator's IGNORE_INDEX.
-            loss = F.cross_entropy(
-                logits.flatten(0, 1), labels.flatten(), reduction="sum"
-            )
-            total += loss.double()
+            total += F.cross_entropy(logits, labels.flatten(), reduction="sum").double()
     return float(total)
 
 
@@ -239,10 +232,9 @@ def run_probe(
     state_dict = model.state_dict()
     dcp.load(state_dict, checkpoint_id=str(checkpoint))  # names a missing key
     model.load_state_dict(state_dict, strict=True)
-    dataset = "embedded"
+    dataset = "embedded" if heldout_seed is None else f"heldout-seed-{heldout_seed}"
     with tempfile.TemporaryDirectory(prefix="vision-probe-") as tmp:
         if heldout_seed is not None:
-            dataset = f"heldout-seed-{heldout_seed}"
             n = batches * batch_size
             config = EmbeddedDataConfig(seed=heldout_seed, num_samples=n, num_shards=1)
             assets = ensure_embedded_assets(Path(tmp) / "heldout", config=config)

@@ -50,12 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--exact", action="store_true", help="fail on any difference at all")
     add("--moment-step", type=int, help="compare AdamW first moments after this step")
     add("--moment-tol", type=float, help="max relative error (default: report only)")
-    parser.set_defaults(
-        baseline_module=DEFAULT_MODULE,
-        baseline_config=DEFAULT_CONFIG,
-        loss_tol=DEFAULT_LOSS_TOL,
-        grad_norm_tol=DEFAULT_GRAD_NORM_TOL,
-    )
+    parser.set_defaults(baseline_module=DEFAULT_MODULE, baseline_config=DEFAULT_CONFIG)
+    parser.set_defaults(loss_tol=DEFAULT_LOSS_TOL, grad_norm_tol=DEFAULT_GRAD_NORM_TOL)
     return parser
 
 

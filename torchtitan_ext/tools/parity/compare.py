@@ -4,8 +4,7 @@ parameter's AdamW first moment from their checkpoints.
 The loss and the grad norm are two scalars: a bug that moves a few parameters'
 gradients (one image's rows, one module's reduction) can hide in them. The first
 moment after step ``n`` is a decayed sum of the first ``n`` gradients, and DCP
-stores it per parameter at any world size.
-"""
+stores it per parameter at any world size."""
 
 import functools
 import math
@@ -153,11 +152,9 @@ def compare(
 ) -> Comparison:
     """Compare two runs step by step: with ``exact`` any difference fails.
 
-    A NaN or inf fails (diverged runs are never "equal", not even to each other),
-    and so do different step sets, no steps at all, or (with ``expected_steps``)
-    steps other than ``1..expected_steps``: a parity claim over missing steps is
-    empty.
-    """
+    A NaN or inf fails (diverged runs are never "equal", not even to each other), and
+    so do different step sets, no steps at all, or (with ``expected_steps``) steps
+    other than ``1..expected_steps``: a parity claim over missing steps is empty."""
     b, t = baseline, test
     failures = []
     for metric in TAGS:
@@ -212,21 +209,19 @@ def format_table(comparison: Comparison) -> str:
         f"{'step':>5}  {'baseline loss':>15}  {'test loss':>15}  {'|dloss|':>15}  "
         f"{'baseline grad_norm':>18}  {'test grad_norm':>18}  {'|dgrad_norm|':>15}"
     )
+    rows = [
+        f"{r.step:>5}  {r.baseline_loss:>15.8e}  {r.test_loss:>15.8e}  "
+        f"{r.dloss:>15.8e}  {r.baseline_grad_norm:>18.10f}  "
+        f"{r.test_grad_norm:>18.10f}  {r.dgrad_norm:>15.8e}"
+        for r in comparison.rows
+    ]
+    maxima = {"dloss": comparison.max_dloss, "dgrad_norm": comparison.max_dgrad_norm}
+    footer = [
+        f"max |{name}|".ljust(17) + f"= {'n/a' if v is None else f'{v:.8e}'}"
+        for name, v in maxima.items()
+    ]
     rule = "-" * len(header)
-    lines = [header, rule]
-    for r in comparison.rows:
-        lines.append(
-            f"{r.step:>5}  {r.baseline_loss:>15.8e}  {r.test_loss:>15.8e}  "
-            f"{r.dloss:>15.8e}  {r.baseline_grad_norm:>18.10f}  "
-            f"{r.test_grad_norm:>18.10f}  {r.dgrad_norm:>15.8e}"
-        )
-    lines.append(rule)
-    for name in ("dloss", "dgrad_norm"):
-        v = getattr(comparison, f"max_{name}")
-        lines.append(
-            f"max |{name}|".ljust(17) + f"= {'n/a' if v is None else f'{v:.8e}'}"
-        )
-    return "\n".join(lines)
+    return "\n".join([header, rule, *rows, rule, *footer])
 
 
 def checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -291,10 +286,9 @@ def compare_first_moments(
 ) -> MomentComparison:
     """Every parameter's first moment in ``test`` within ``tol`` of ``baseline``'s.
 
-    Relative to the baseline tensor's largest entry, so the bound means the
-    same for large and small parameters; a non-finite moment, a moment present
-    on one side only, or no moment at all fails.
-    """
+    Relative to the baseline tensor's largest entry, so the bound means the same for
+    large and small parameters; a non-finite moment, a moment present on one side
+    only, or no moment at all fails."""
     ref, got = _first_moments(baseline_checkpoint), _first_moments(test_checkpoint)
     failures = []
     if not ref:

@@ -1,8 +1,7 @@
 """The engine: one seed checkpoint and one baseline run, compared with each test.
 
 Writes ``<output_dir>/<test>/parity.json`` and ``parity.png`` per test, and
-``suite.json``; a single comparison (``run_parity``) is a suite of one test.
-"""
+``suite.json``; a single comparison (``run_parity``) is a suite of one test."""
 
 import dataclasses
 import json
@@ -157,9 +156,6 @@ class _Suite:
             )
         self.launcher = str(Path(self.launcher or RUN_TRAIN).resolve())
 
-    def checkpoint_path(self, name: str) -> Path:
-        return self.out / name / _CKPT_FOLDER / f"step-{self.moment_step}"
-
     def shared_json(self, runs: list[RunRecord]) -> dict:
         seed = self.seed_checkpoint
         return {
@@ -305,11 +301,10 @@ def _run_test(s: _Suite, name: str, case: ParityCase, control) -> ParityResult:
     r.failures += c.failures
     r.png_path = s.out / name / "parity.png" if c.rows else None
     if s.moment_step is not None:
-        r.checkpoint = s.checkpoint_path(name)
+        step = Path(_CKPT_FOLDER, f"step-{s.moment_step}")
+        r.checkpoint, baseline = s.out / name / step, s.out / "baseline" / step
         tol = math.inf if case.moment_tol is None else case.moment_tol
-        r.moments = compare_first_moments(
-            s.checkpoint_path("baseline"), r.checkpoint, tol=tol
-        )
+        r.moments = compare_first_moments(baseline, r.checkpoint, tol=tol)
         r.failures += r.moments.failures
     r.passed = not r.failures
     return r
@@ -400,10 +395,8 @@ def _plot(r: ParityResult, name: str) -> None:
         if nonzero:
             ax.plot(*zip(*nonzero, strict=True), "o-", color="tab:red", label=label)
         if zeros:
-            zero_label = f"{label} = 0 exactly (drawn at {floor:.0e})"
-            ax.plot(
-                zeros, [floor] * len(zeros), "s", color="tab:green", label=zero_label
-            )
+            drawn = f"{label} = 0 exactly (drawn at {floor:.0e})"
+            ax.plot(zeros, [floor] * len(zeros), "s", color="tab:green", label=drawn)
         ax.set(yscale="log", ylabel=label)
     for ax in (ax_loss, *ax_diffs):
         ax.legend()
@@ -419,10 +412,9 @@ def run_parity_suite(
 ) -> dict[str, ParityResult]:
     """Compare several tests with one baseline, trained once from one seed.
 
-    A test is a ``RunSpec`` or a :class:`ParityCase`, trained and compared in
-    order; ``options`` are the fields of ``_Suite``. A failed seed or baseline
-    fails every test, a failed test only itself; nothing raises: see ``passed``.
-    """
+    A test is a ``RunSpec`` or a :class:`ParityCase`, trained and compared in order;
+    ``options`` are the fields of ``_Suite``. A failed seed or baseline fails every
+    test, a failed test only itself; nothing raises: see ``passed``."""
     s = _Suite(baseline=baseline, **options)
     cases = _resolve_cases(tests, s)
     s.out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ only when no accelerator is present (on a GPU machine it returns at once):
    test suite launches about a hundred) paid the 2 s.
 """
 
+import contextlib
 import os
 import platform
 import resource
@@ -42,7 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["apply", "eager_flex_attention", "is_active", "peak_rss_bytes"]
+__all__ = [
+    "apply",
+    "compiled_block_masks",
+    "eager_flex_attention",
+    "is_active",
+    "peak_rss_bytes",
+]
 
 _active = False
 
@@ -189,18 +196,37 @@ def _use_eager_flex_attention() -> None:
     FlexAttention._compiled_flex_attn = eager_flex_attention
 
 
-def _use_eager_create_block_mask() -> None:
+def _use_eager_create_block_mask(create_block_mask=None) -> None:
     from torch.distributed.tensor.experimental._context_parallel import (
         _attention as cp_attention,
     )
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention import flex_attention
     from torchtitan.models.common import attention, vision_encoder
 
+    create_block_mask = create_block_mask or flex_attention.create_block_mask
     attention._compiled_create_block_mask = create_block_mask
     vision_encoder.compiled_create_block_mask = create_block_mask
     # CP's per-rank mask rewrite compiles create_block_mask on first use unless
     # this cache is set: tens of seconds of inductor per CP process on CPU.
     cp_attention._compiled_create_block_mask = create_block_mask
+
+
+@contextlib.contextmanager
+def compiled_block_masks():
+    """torchtitan's compiled ``create_block_mask`` for the ``with`` block: the
+    eager one holds a dense [Q, KV] mask (and its int64 block sums: 34 GB at
+    65536 tokens); the compiled one reduces blocks as it goes, at the price of
+    inductor's compile per new shape."""
+    import torch
+    from torch._inductor import config as inductor_config
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _use_eager_create_block_mask(torch.compile(create_block_mask))
+    try:  # scalar C++: inductor's vectorized document masks do not compile
+        with inductor_config.patch({"cpp.simdlen": 1}):
+            yield
+    finally:
+        _use_eager_create_block_mask()
 
 
 def _keep_eager_flex_under_determinism() -> None:

@@ -28,6 +28,7 @@ from torchtitan_ext.muse_glimmer import (
     parallelize_muse_glimmer,
 )
 from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+from torchtitan_ext.muse_glimmer.config_registry import MAX_SEQ_LEN_30B
 from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
 from torchtitan_ext.tools.simulated_cluster import job_world_size
 
@@ -37,6 +38,12 @@ GPUS_32 = "30b_mm_fsdp4_cp4_tp2_sp.toml"  # 4 nodes x 8 GPUs
 GPUS_32_SHARDED = "30b_mm_fsdp4_cp4_tp2_sp_sharded_vision.toml"
 GPUS_128 = "30b_mm_fsdp4_cp4_tp2_pp4_sp.toml"  # 16 nodes x 8 GPUs
 GPUS_128_SHARDED = "30b_mm_fsdp4_cp4_tp2_pp4_sp_sharded_vision.toml"
+# Long context: seq_len 32768 to 131072 on 64 (CP8) and 128 (CP16) ranks.
+LONG_CONTEXT = {
+    f"30b_mm_{seq}_fsdp4_cp{cp}_tp2_sp.toml": 4 * cp * 2
+    for seq in ("32k", "64k", "128k")
+    for cp in (8, 16)
+}
 
 
 def _start_up(job, world_size: int) -> None:
@@ -53,7 +60,16 @@ def test_there_are_production_jobs_on_both_clusters():
         GPUS_32_SHARDED: 32,
         GPUS_128: 128,
         GPUS_128_SHARDED: 128,
+        **LONG_CONTEXT,
     }
+
+
+@pytest.mark.parametrize("name", LONG_CONTEXT)
+def test_long_context_jobs_reach_the_released_models_window(name):
+    """Only seq_len and RoPE's reach move: the released 131072 tokens."""
+    job = train_config(name)
+    assert job.training.seq_len == int(name.split("_")[2][:-1]) * 1024
+    assert job.model_spec.model.max_seq_len == MAX_SEQ_LEN_30B == 131_072
 
 
 @pytest.mark.parametrize("name", PRODUCTION_CONFIGS)
@@ -168,11 +184,11 @@ def test_asset_and_data_paths_are_overridable():
         ),
         (
             GPUS_128,
-            ["--training.seq_len", "32768"],
+            ["--training.seq_len", "262144"],
             128,
             ValueError,
-            "Training sequence length 32768 exceeds attention RoPE maximum "
-            "supported sequence length 16384.",
+            "Training sequence length 262144 exceeds attention RoPE maximum "
+            "supported sequence length 131072.",
         ),
         (
             GPUS_128_SHARDED,

@@ -7,7 +7,9 @@ the job's world size (``torchtitan_ext.tools.simulated_cluster``). Its plan is
 compared with upstream's for the same model, world, TP and PP: torchtitan's own
 model, parallelize and pipelining functions, with CP folded into dp_shard
 (upstream refuses CP for the vision encoder). FSDP then shards over the same
-ranks, dp_shard x cp, so every parameter must be sharded exactly alike.
+ranks, dp_shard x cp, so every parameter must be sharded exactly alike. The
+long-context jobs (seq_len up to 131072) are also built with the other vision
+mode and selective activation checkpointing, one job per world size.
 
 Checked on each rank:
 - nothing real is allocated: every parameter and buffer is on the meta
@@ -37,6 +39,7 @@ from torchtitan.tools import utils
 
 from torchtitan_ext import cpu_backend
 from torchtitan_ext.muse_glimmer import VISION_MODULE_FQNS
+from torchtitan_ext.muse_glimmer.config_registry import MAX_SEQ_LEN_30B
 from torchtitan_ext.muse_glimmer.sharding import CP
 from torchtitan_ext.tools import simulated_cluster
 from torchtitan_ext.tools.simulated_cluster import job_world_size, simulated_rank
@@ -53,6 +56,10 @@ def _upstream_reference(job):
     reference.model_spec = upstream_model_registry(
         job.model_spec.flavor, attn_backend="flex"
     )
+    # Upstream's flavor stops at 16384 tokens, the released model at 131072.
+    for layer in reference.model_spec.model.layers:
+        rope = dataclasses.replace(layer.attention.rope, max_seq_len=MAX_SEQ_LEN_30B)
+        layer.attention.rope = rope
     parallelism = reference.parallelism
     parallelism.data_parallel_shard_degree *= parallelism.context_parallel_degree
     parallelism.context_parallel_degree = 1
@@ -171,7 +178,10 @@ def upstream_plans() -> dict:
 
 def _upstream_plan(upstream_plans: dict, job, rank: int) -> list[dict]:
     reference = _upstream_reference(job)
-    key = (repr(reference.parallelism), repr(reference.training), rank)
+    # seq_len shapes no parameter: the long-context jobs of one world share it.
+    training = dataclasses.replace(reference.training, seq_len=0)
+    key = (repr(reference.parallelism), repr(training), rank)
+    key += (repr(reference.activation_checkpoint),)
     if key not in upstream_plans:
         with simulated_rank(reference, rank=rank) as simulated:
             upstream_plans[key] = _plan(simulated)
@@ -198,9 +208,24 @@ def _check_stage(simulated, *, sharded: bool) -> None:
     assert cp_types == ({spmd.R, spmd.V} if sharded else {spmd.R}), cp_types
 
 
-@pytest.mark.parametrize("name", PRODUCTION_CONFIGS)
-def test_production_job_plan_on_its_simulated_cluster(name, upstream_plans):
-    job = train_config(name)
+# The long-context jobs' other vision mode and AC policy, on each world size.
+LONG_CONTEXT_64 = "30b_mm_128k_fsdp4_cp8_tp2_sp.toml"
+LONG_CONTEXT_128 = "30b_mm_32k_fsdp4_cp16_tp2_sp.toml"
+VARIANTS = [
+    (name, *overrides)
+    for name in (LONG_CONTEXT_64, LONG_CONTEXT_128)
+    for overrides in (
+        ("--parallelism.context_parallel_vision", "sharded"),
+        ("activation_checkpoint:selective",),
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "job_args", [(n,) for n in PRODUCTION_CONFIGS] + VARIANTS, ids=" ".join
+)
+def test_production_job_plan_on_its_simulated_cluster(job_args, upstream_plans):
+    job = train_config(*job_args)
     sharded = job.parallelism.context_parallel_vision == "sharded"
     for rank in _ranks_to_simulate(job):
         if cpu_backend.is_active():

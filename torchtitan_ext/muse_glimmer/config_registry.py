@@ -120,6 +120,9 @@ def muse_glimmer_debugmodel_mm_packed_typechecked() -> MuseGlimmerTrainer.Config
     return job
 
 
+# The released Muse-Glimmer-30B's context window.
+MAX_SEQ_LEN_30B = 131_072
+
 # Production jobs: torchtitan's ``muse_glimmer_30b_mm`` (decoder dim 6656, 52
 # layers, vocab 202048, a 50-block vision encoder) on clusters of 8-GPU nodes.
 # No GPU runs them here: tests/unit/test_simulated_cluster.py builds and
@@ -137,9 +140,15 @@ def muse_glimmer_30b_mm() -> MuseGlimmerTrainer.Config:
     cc12m sample (a caption and an image resized to at most 3136 pixels, 4
     placeholders) is about 40 tokens, so an unpacked row would be nearly all
     padding. The degrees, sequence length and image budget are each job's
-    TOML (``train_configs/30b_mm_*.toml``).
+    TOML (``train_configs/30b_mm_*.toml``). RoPE's ``max_seq_len`` is the
+    released Muse-Glimmer-30B's 131072 (transformers'
+    ``max_position_embeddings``), not the flavor's 16384: a job's ``seq_len``
+    may go up to it (the trainer sizes RoPE to ``seq_len``; nothing else moves).
     """
     job = _as_plugin_job(upstream.muse_glimmer_30b_mm(), "30B_mm")
+    for layer in job.model_spec.model.layers:
+        rope = dataclasses.replace(layer.attention.rope, max_seq_len=MAX_SEQ_LEN_30B)
+        layer.attention.rope = rope
     job.dataloader.packing_buffer_size = 100
     job.parallelism.context_parallel_load_balancer = "ptrr"
     job.parallelism.context_parallel_ptrr_mask_key = "global"

@@ -1,71 +1,137 @@
-"""The smallest CP degree at which a job fits each GPU size, by sequence and images.
+"""Which job to run: every (CP, TP, PP, AC, vision) on a GPU count, planned and timed.
 
-Each CP degree keeps the job's world size (dp_shard lowered); at CP1 the two
-vision modes coincide, so one plan stands for both. A degree fits a capacity
-when the largest per-rank peak is at most that many 10^9 bytes: what the
-planner does not model must fit in the difference to the device's size (80 GB
-H100: 85.5e9 bytes; 141 GB H200: 150.7e9).
+A candidate keeps the job's model and global batch (rows per step) and spreads
+it over ``--gpus`` GPUs: dp_shard makes up the world size, each data rank
+trains global batch / dp_shard rows (microbatches of one under PP, 1F1B). Those
+the start-up checks refuse are listed with the reason. The rest are timed by
+the roofline (``roofline``: an estimate on paper, its assumptions printed and
+each a flag), then planned in order of that time (the simulated cluster's
+memory per rank, slow) until one fits: that one, the fastest that fits, is
+marked. ``--all`` plans every candidate. A job fits when its busiest rank's
+planned peak is at most ``--gpu-memory-gb`` x 10^9 bytes: the rest of the
+device (an 80 GB H100 has 85.5e9 bytes, a 141 GB H200 150.7e9) is left for
+what the planner does not model.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import itertools
 import json
-import sys
 from pathlib import Path
 
-from .cli import GIB, MODES, describe_job, plan_job, table
+from .cli import GIB, MODES, plan_job, table
+from .roofline import Hardware, fixed_terms, step_time
 
-__all__ = ["main"]
+__all__ = ["candidates", "choose", "main"]
+
+# The activation checkpointing policies, as tyro's subcommands select them.
+AC = {name: f"activation_checkpoint:{name}" for name in ("full", "selective", "none")}
 
 
-def _plan(job_args, key: dict, tokens_per_image, dp_shard_cp) -> dict:
-    """The job at ``key``'s CP degree, with dp_shard making up its world size."""
+def candidates(job_args: list[str], gpus: int, global_batch: int, space: dict):
+    """``(key, config or the reason it is refused)`` for every point of ``space``."""
+    from torchtitan.distributed import ParallelDims
+
     from torchtitan_ext.config_file import load_job
+    from torchtitan_ext.muse_glimmer.config_checks import check_job_config
 
-    seq_len, images, cp = key["seq_len"], key["images"], key["cp"]
-    if dp_shard_cp % cp:
-        raise ValueError(
-            f"CP{cp} does not divide the job's dp_shard x cp, {dp_shard_cp}"
+    for cp, tp, pp, ac, vision in itertools.product(*space.values()):
+        key = dict(cp=cp, tp=tp, pp=pp, ac=ac, vision=vision)
+        if vision == "sharded" and cp == 1:
+            continue  # the same job as replicated
+        dp = gpus // (cp * tp * pp)
+        if dp * cp * tp * pp != gpus or global_batch % dp:
+            yield key, f"{global_batch} rows a step do not split over dp_shard={dp}"
+            continue
+        if global_batch // dp < pp:
+            yield key, f"{global_batch // dp} microbatches cannot fill {pp} stages"
+            continue
+        degrees = dict(context_parallel=cp, tensor_parallel=tp, pipeline_parallel=pp)
+        degrees |= dict(data_parallel_shard=dp)
+        args = [f"--parallelism.{k}_degree={d}" for k, d in degrees.items()]
+        args += [f"--parallelism.context_parallel_vision={vision}"]
+        args += [f"--training.local_batch_size={global_batch // dp}"]
+        if pp > 1:
+            args += ["--parallelism.pipeline_parallel_schedule=1F1B"]
+            args += ["--parallelism.pipeline_parallel_microbatch_size=1"]
+        args = [*job_args, *args, AC[ac]]
+        try:
+            config = load_job(args)
+            checked = copy.deepcopy(config)
+            check_job_config(checked, gpus)  # the Trainer's start-up checks
+            ParallelDims.from_config(checked.parallelism, gpus)
+            checked.model_spec.model.update_from_config(config=checked)
+        except (ValueError, AssertionError, NotImplementedError) as e:
+            yield key, str(e).splitlines()[0]
+            continue
+        yield key, config
+
+
+def choose(
+    job_args,
+    *,
+    gpus,
+    gpu_memory_gb,
+    global_batch,
+    images,
+    tokens,
+    space,
+    hardware,
+    plan_all=False,
+) -> list[dict]:
+    """Every candidate's row, fastest first; ``fastest_fitting`` marks the choice."""
+    rows, refused = [], []
+    for key, config in candidates(job_args, gpus, global_batch, space):
+        if isinstance(config, str):
+            refused.append({**key, "refused": config})
+            continue
+        time = step_time(config, gpus, images, tokens, hardware)
+        fixed = fixed_terms(config, images, tokens)
+        rows.append({**key, "config": config, **dataclasses.asdict(time)})
+        rows[-1]["fixed_terms"] = fixed
+    rows.sort(key=lambda row: row["seconds"])
+    chosen = False
+    for row in rows:
+        config = row.pop("config")
+        if chosen and not plan_all:
+            continue
+        _, _, estimates = plan_job(
+            config, images=images, tokens_per_image=tokens, world_size=gpus
         )
-    config = load_job(
-        job_args
-        + [
-            *("--training.seq_len", str(seq_len)),
-            *("--parallelism.context_parallel_degree", str(cp)),
-            *("--parallelism.data_parallel_shard_degree", str(dp_shard_cp // cp)),
-            *("--parallelism.context_parallel_vision", key["vision"]),
-        ]
-    )
-    size, world_size, estimates = plan_job(
-        config, images=images, tokens_per_image=tokens_per_image
-    )
-    worst = max(estimates, key=lambda e: e.peak)
-    return {
-        **key,
-        "job": describe_job(config, world_size, images, size),
-        "world_size": world_size,
-        "dp_shard_cp": dp_shard_cp,
-        "peak_bytes": worst.peak,
-        "peak_rank": worst.rank,
-        "derived_bytes": worst.peak - worst.measured_peak,
-        "decoder_activation_bytes": worst.decoder_activations,
-        "vision_activation_bytes": max(e.vision_activations for e in estimates),
-        "state_bytes": sum(
-            (worst.parameters, worst.buffers, worst.gradients, worst.optimizer)
-        ),
-        "ranks_planned": [e.rank for e in estimates],
-        "seconds": sum(e.seconds for e in estimates),
-    }
+        worst = max(estimates, key=lambda e: e.peak)
+        row |= {
+            "peak_bytes": worst.peak,
+            "peak_rank": worst.rank,
+            "breakdown": worst.peak_breakdown,
+        }
+        row["fits"] = worst.peak <= gpu_memory_gb * 1e9
+        row["fastest_fitting"] = row["fits"] and not chosen
+        chosen = chosen or row["fits"]
+    return rows + refused
 
 
-def _smallest(plans: list[dict], capacity_gb: float) -> str:
-    fitting = [p for p in plans if p["peak_bytes"] <= capacity_gb * 1e9]
-    if not fitting:
-        return f"> CP{max(p['cp'] for p in plans)}"
-    best = min(fitting, key=lambda p: p["cp"])
-    return f"CP{best['cp']} ({best['peak_bytes'] / GIB:.1f} GiB)"
+def _table(rows: list[dict]) -> str:
+    columns = ["cp", "tp", "pp", "ac", "vision", "step s (est.)", "compute s"]
+    columns += ["TP+CP+PP comm s", "FSDP comm s", "bubble", "peak GiB"]
+    columns += ["largest term CP does not shrink, GiB", ""]
+    lines = []
+    for row in rows:
+        if "refused" in row:
+            continue
+        cells = [str(row[k]) for k in ("cp", "tp", "pp", "ac", "vision")]
+        cells += [f"{row[k]:.2f}" for k in ("seconds", "compute_s", "exposed_s")]
+        cells += [f"{row['overlapped_s']:.2f}", f"{row['bubble']:.2f}"]
+        peak = row.get("peak_bytes")
+        cells.append("not planned" if peak is None else f"{peak / GIB:.1f}")
+        term, nbytes = max(row["fixed_terms"].items(), key=lambda item: item[1])
+        cells.append(f"{term}: {nbytes / GIB:.2f}")
+        mark = {True: "fits", False: "too large", None: ""}[row.get("fits")]
+        cells.append("**fastest that fits**" if row.get("fastest_fitting") else mark)
+        lines.append(cells)
+    return table(columns, lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,58 +141,74 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m torchtitan_ext.tools.estimate.fit",
         allow_abbrev=False,
         description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--config-file", type=Path, help="the job's TOML file")
-    add("--seq-len", type=int, nargs="+", required=True)
-    add("--images", type=int, nargs="+", required=True)
-    add("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    add("--capacity-gb", type=float, nargs="+", default=[80, 141])
-    add("--tokens-per-image", type=int)
-    add("--json", type=Path, required=True)
-    own, job_args, job = parse_job(parser, argv, config_file="--job.config_file")
-    world_size, parallelism = job_world_size(job), job.parallelism
-    dp_shard_cp = (
-        parallelism.data_parallel_shard_degree * parallelism.context_parallel_degree
+    add("--config-file", type=Path, help="the job's TOML file (model, data, ...)")
+    add("--gpus", type=int, required=True)
+    add("--gpu-memory-gb", type=float, required=True, help="10^9 bytes a rank may use")
+    add("--seq-len", type=int, help="default: the job's")
+    add("--images", type=int, required=True, help="per row (sequence)")
+    add("--tokens-per-image", type=int, required=True)
+    add("--global-batch", type=int, help="rows per step (default: the job's)")
+    add("--cp", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    add("--tp", type=int, nargs="+", default=[1, 2])
+    add("--pp", type=int, nargs="+", default=[1, 2, 4])
+    add("--ac", nargs="+", choices=list(AC), default=list(AC))
+    add("--vision", nargs="+", choices=MODES, default=list(MODES))
+    add("--all", action="store_true", help="plan them all, not until one fits")
+    add("--json", type=Path)
+    assumptions = parser.add_argument_group("roofline assumptions").add_argument
+    for field in dataclasses.fields(Hardware):
+        flag = "--" + field.name.replace("_", "-")
+        assumptions(flag, type=type(field.default), default=field.default)
+    own, job_args, job = parse_job(
+        parser, argv, config_file="--job.config_file", seq_len="--training.seq_len"
     )
-    seq_lens, smallest_bytes = sorted(own.seq_len), min(own.capacity_gb) * 1e9
-    plans: list[dict] = []
-    for seq_len, images, mode in itertools.product(seq_lens, own.images, MODES):
-        for cp in sorted(own.cp):
-            key = dict(seq_len=seq_len, images=images, cp=cp, vision=mode)
-            if cp == 1 and mode == "sharded":
-                replicated = {**key, "vision": "replicated"}.items()
-                same = next(p for p in plans if replicated <= p.items())
-                plan = {**same, "vision": mode, "same_as": "replicated"}
-            else:
-                plan = _plan(job_args, key, own.tokens_per_image, dp_shard_cp)
-            plans.append(plan)
-            print(
-                f"seq {seq_len}, {images} images, {mode}, CP{cp}: peak "
-                f"{plan['peak_bytes'] / GIB:.1f} GiB ({plan.get('seconds', 0):.0f} s)",
-                file=sys.stderr,
-            )
-            own.json.parent.mkdir(parents=True, exist_ok=True)
-            own.json.write_text(json.dumps({"plans": plans}, indent=2))
-            if plan["peak_bytes"] <= smallest_bytes:
-                break
-    columns = ["seq_len", "images per row"]
-    columns += [f"{mode} vision, {gb:g} GB" for mode in MODES for gb in own.capacity_gb]
-    rows = []
-    for seq_len, images in itertools.product(seq_lens, own.images):
-        cells = [str(seq_len), str(images)]
-        for mode in MODES:
-            key = dict(seq_len=seq_len, images=images, vision=mode)
-            ran = [p for p in plans if key.items() <= p.items()]
-            cells += [_smallest(ran, gb) for gb in own.capacity_gb]
-        rows.append(cells)
+    hardware = Hardware(
+        **{f.name: getattr(own, f.name) for f in dataclasses.fields(Hardware)}
+    )
+    p = job.parallelism
+    data_ranks = job_world_size(job) // (
+        p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+    global_batch = own.global_batch or data_ranks * job.training.local_batch_size
+    space = dict(cp=own.cp, tp=own.tp, pp=own.pp, ac=own.ac, vision=own.vision)
+    rows = choose(
+        job_args,
+        gpus=own.gpus,
+        gpu_memory_gb=own.gpu_memory_gb,
+        global_batch=global_batch,
+        images=own.images,
+        tokens=own.tokens_per_image,
+        space=space,
+        hardware=hardware,
+        plan_all=own.all,
+    )
     print(
-        f"{own.config_file or ' '.join(job_args)}: {world_size} ranks, "
-        f"CP raised with dp_shard x cp = {dp_shard_cp} kept\n"
+        f"{job.model_spec.name} {job.model_spec.flavor} on {own.gpus} GPUs of "
+        f"{own.gpu_memory_gb:g} GB, seq_len {job.training.seq_len}, {global_batch} "
+        f"rows a step, {own.images} images of {own.tokens_per_image} tokens a row\n"
     )
-    print(table(columns, rows))
-    print("\nPeak of the largest rank at the smallest fitting CP degree, in GiB.")
-    print(f"JSON: {own.json}")
+    print(_table(rows))
+    for row in rows:
+        if "refused" in row:
+            key = ", ".join(f"{k} {row[k]}" for k in space)
+            print(f"refused ({key}): {row['refused']}")
+    print(
+        "\nstep s is an estimate on paper, not a measurement: FLOPs over "
+        f"{hardware.peak_tflops:g} TFLOP/s x {hardware.efficiency:g}, collectives "
+        f"over {hardware.nvlink_gbps:g} GB/s within a node of "
+        f"{hardware.gpus_per_node}, {hardware.network_gbps:g} GB/s across nodes "
+        "(torchtitan_ext/tools/estimate/roofline.py says what else it assumes)."
+    )
+    if own.json is not None:
+        own.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"hardware": dataclasses.asdict(hardware), "rows": rows}
+        own.json.write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":

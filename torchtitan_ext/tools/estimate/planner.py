@@ -10,6 +10,7 @@ what one microbatch leaves alive after its forward: the only derived figure.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from dataclasses import dataclass
@@ -17,12 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from torchtitan_ext import cpu_backend
 from torchtitan_ext.tools.simulated_cluster import simulated_rank
 
 from .host_values import HostValues
 from .tracker import FORWARD_DECODER, FORWARD_VISION, region_tracker
 
 __all__ = ["RankEstimate", "estimate_rank", "microbatches_in_flight", "ranks_to_plan"]
+
+# Rows up to this long get the CPU backend's eager block masks (dense, fast to
+# build); longer ones torchtitan's compiled create_block_mask.
+_EAGER_MASKS_UP_TO = 16384
 
 # MemTracker's reference types (and FSDPMemTracker's), as the planner sums them.
 _PARAMETERS = ("Parameter", "Sharded Param")
@@ -222,7 +228,11 @@ def estimate_rank(config, batch, *, rank: int, world_size=None, boundary=None):
         images = len(input_dict["grid_thw"])
         if share is not None:
             images = share.image_range[1] - share.image_range[0]
-        batch = trainer.post_dataloading_process(input_dict, labels)
+        masks = contextlib.nullcontext()
+        if cpu_backend.is_active() and config.training.seq_len > _EAGER_MASKS_UP_TO:
+            masks = cpu_backend.compiled_block_masks()
+        with masks:
+            batch = trainer.post_dataloading_process(input_dict, labels)
         vision = [getattr(part, fqn, None) for fqn in VISION_MODULE_FQNS]
         vision = [module for module in vision if module is not None]
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

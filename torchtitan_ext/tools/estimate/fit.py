@@ -16,6 +16,7 @@ what the planner does not model.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import itertools
@@ -43,6 +44,9 @@ def candidates(job_args: list[str], gpus: int, global_batch: int, space: dict):
         if vision == "sharded" and cp == 1:
             continue  # the same job as replicated
         dp = gpus // (cp * tp * pp)
+        if cp * tp * pp > gpus:
+            yield key, f"cp x tp x pp = {cp * tp * pp} exceeds {gpus} GPUs"
+            continue
         if dp * cp * tp * pp != gpus or global_batch % dp:
             yield key, f"{global_batch} rows a step do not split over dp_shard={dp}"
             continue
@@ -92,7 +96,8 @@ def choose(
         fixed = fixed_terms(config, images, tokens)
         rows.append({**key, "config": config, **dataclasses.asdict(time)})
         rows[-1]["fixed_terms"] = fixed
-    rows.sort(key=lambda row: row["seconds"])
+    # Ties (often at FSDP's bound) go to less work on the critical path.
+    rows.sort(key=lambda row: (row["seconds"], row["compute_s"] + row["exposed_s"]))
     chosen = False
     for row in rows:
         config = row.pop("config")
@@ -194,10 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         f"rows a step, {own.images} images of {own.tokens_per_image} tokens a row\n"
     )
     print(_table(rows))
-    for row in rows:
-        if "refused" in row:
-            key = ", ".join(f"{k} {row[k]}" for k in space)
-            print(f"refused ({key}): {row['refused']}")
+    refused = collections.Counter(row["refused"] for row in rows if "refused" in row)
+    for reason, count in refused.items():
+        print(f"refused, {count} candidate(s): {reason}")
     print(
         "\nstep s is an estimate on paper, not a measurement: FLOPs over "
         f"{hardware.peak_tflops:g} TFLOP/s x {hardware.efficiency:g}, collectives "

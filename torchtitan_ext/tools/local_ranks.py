@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 
 __all__ = ["RankError", "free_port", "run_module", "run_on_ranks"]
 
-mp.get_context("forkserver").set_forkserver_preload(["torchtitan_ext.tools.warm_ranks"])
+
+_WARM = "torchtitan_ext.tools.warm_ranks"  # the fork server imports it once
 
 
 class RankError(RuntimeError):
@@ -84,6 +85,7 @@ def run_on_ranks(
     payload = pickle.dumps((fn, args, kwargs))
     with tempfile.TemporaryDirectory(prefix="local-ranks-") as out:
         env = dict(os.environ)
+        mp.get_context("forkserver").set_forkserver_preload([_WARM])
         common = (world_size, free_port(), env, payload, timeout_s, init_process_group)
         context = mp.start_processes(
             _entry, (*common, out), world_size, join=False, start_method="forkserver"

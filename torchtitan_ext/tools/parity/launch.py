@@ -142,11 +142,10 @@ def _forked(env: dict[str, str], argv: list[str], log: IO[str], timeout, echo):
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "NGPU": "1", **env}
     if env.get("NNODES", "1") != "1":
         raise ValueError(f"forked runs are one node, not NNODES={env['NNODES']}")
+    # RunSpec.job_env names the job one way or the other; no default of its own.
+    job = ["--module", env.get("MODULE"), "--config", env.get("CONFIG")]
     if "CONFIG_FILE" in env:
         job = ["--job.config_file", env["CONFIG_FILE"]]
-    else:
-        job = ["--module", env.get("MODULE", DEFAULT_MODULE), "--config"]
-        job.append(env.get("CONFIG", "muse_glimmer_debugmodel_mm_quickstart"))
     code, timed_out, logs = 0, False, Path(log.name + ".ranks")
     logs.mkdir(exist_ok=True)
     module, ranks = env.get("TRAIN_FILE", "torchtitan_ext.train"), int(env["NGPU"])

@@ -56,13 +56,16 @@ def load_config(job: Sequence[str], layers: int = 0):
     return config
 
 
-def build_trainer(job: Sequence[str], layers: int = 0):
-    """``load_config``'s Trainer, refused if a step would take several batches."""
+def build_trainer(job: Sequence[str], layers: int = 0, one_batch=True):
+    """``load_config``'s Trainer; with ``one_batch``, refused if a step would
+    take several batches (the CP benchmarks feed one)."""
     config = load_config(job, layers)
     from torchtitan.tools.logging import init_logger
 
     init_logger()
     trainer = config.build()
+    if not one_batch:
+        return trainer
     if trainer.gradient_accumulation_steps != 1 or trainer.parallel_dims.pp_enabled:
         raise ValueError(
             "the CP benchmarks take one batch per step; got "
@@ -94,10 +97,10 @@ def _on_ranks(nproc: int, measure, args, job: list[str], timeout_s=3600.0, **kwa
     return run_on_ranks(_worker, nproc, measure, args, job, **kwargs)
 
 
-def _worker(measure: Callable, args, job: list[str], layers=0, need_cp=False):
-    """This rank's ``measure(args, trainer)`` on the Trainer of flags ``job``,
-    and what a report says of the job."""
-    trainer = build_trainer(job, layers)
+def _worker(measure: Callable, args, job: list[str], layers=0, need_cp=False, **kw):
+    """This rank's ``measure(args, trainer)`` on the Trainer of flags ``job``
+    (``build_trainer``'s keywords ``kw``), and what a report says of the job."""
+    trainer = build_trainer(job, layers, **kw)
     try:
         if need_cp and not trainer.parallel_dims.cp_enabled:
             raise ValueError(f"{job[1]} does not enable context parallelism")

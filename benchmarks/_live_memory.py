@@ -4,10 +4,11 @@
 current phase (the caller's, or ``backward`` in the autograd engine) and
 region (``vision`` inside ``vision_modules`` and their autograd nodes, else
 ``decoder``); ``attn_scratch`` is what an attention HOP's eager kernel frees
-before it returns (CPU scores a fused GPU kernel never stores). Not torch's
-``MemTracker``: that cannot see into a HOP's kernel and files FSDP's
-all-gather buffers as parameters (the README's 3.4 MB planner gap). Storages
-resized outside the dispatcher (FSDP2's unsharded parameters) are not seen.
+before it returns (CPU scores a fused GPU kernel never stores). Storages
+resized outside the dispatcher (FSDP2's unsharded parameters) count from their
+``resize_``, as ``resized``. Not torch's ``MemTracker``: that cannot see into
+a HOP's kernel and files FSDP's all-gather buffers as parameters (the README's
+3.4 MB planner gap).
 """
 
 import weakref
@@ -63,8 +64,9 @@ def graph_nodes(outputs, stop: set) -> dict[int, object]:
 
 
 class LiveMemory(TorchDispatchMode):
-    """Live (``current``) and peak bytes per ``phase/region`` category, and
-    ``peak_total`` of their sum; storages made before the mode do not count."""
+    """Live (``current``) and peak bytes per ``phase/region`` category,
+    ``peak_total`` of their sum and ``peak_fused`` of it without attention
+    scratch; storages made before the mode do not count."""
 
     supports_higher_order_operators = True
 
@@ -75,6 +77,8 @@ class LiveMemory(TorchDispatchMode):
         self.peak: dict[str, int] = defaultdict(int)
         self.total = 0
         self.peak_total = 0
+        self.fused = 0  # total less attention scratch
+        self.peak_fused = 0
         self._live: dict[int, tuple[int, str, weakref.ref]] = {}
         self._vision_depth = 0
         self._vision_nodes: dict[int, object] = {}
@@ -109,11 +113,42 @@ class LiveMemory(TorchDispatchMode):
             return f"backward/{'vision' if vision else 'decoder'}"
         return f"{self.phase}/{'vision' if self._vision_depth > 0 else 'decoder'}"
 
+    def __enter__(self):
+        resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage, size):
+            key, before = storage._cdata, storage.nbytes()
+            out = resize(storage, size)
+            if key in self._live:
+                nbytes, category, ref = self._live[key]
+                self._live[key] = (storage.nbytes(), category, ref)
+                self._add(category, storage.nbytes() - before)
+            else:  # not an activation: filed apart from the regions
+                self._track({key: storage}, "resized")
+            return out
+
+        storage = torch.UntypedStorage
+        self._resize = mock.patch.object(storage, "resize_", tracked_resize)
+        self._resize.start()
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        self._resize.stop()
+        return super().__exit__(*args)
+
+    def _add(self, category: str, nbytes: int) -> None:
+        self.current[category] += nbytes
+        self.total += nbytes
+        if not category.endswith("/attn_scratch"):
+            self.fused += nbytes
+        self.peak[category] = max(self.peak[category], self.current[category])
+        self.peak_total = max(self.peak_total, self.total)
+        self.peak_fused = max(self.peak_fused, self.fused)
+
     def _free(self, key: int) -> None:
         if key in self._live:
             nbytes, category, _ = self._live.pop(key)
-            self.current[category] -= nbytes
-            self.total -= nbytes
+            self._add(category, -nbytes)
 
     def _track(self, storages: dict[int, torch.UntypedStorage], category: str):
         for key, storage in storages.items():
@@ -124,13 +159,9 @@ class LiveMemory(TorchDispatchMode):
             if self._kernel is not None:
                 category = f"{self._kernel[0]}/attn_scratch"
                 self._kernel[1].append(key)
-            nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _, key=key: self._free(key))
-            self._live[key] = (nbytes, category, ref)
-            self.current[category] += nbytes
-            self.total += nbytes
-            self.peak[category] = max(self.peak[category], self.current[category])
-            self.peak_total = max(self.peak_total, self.total)
+            self._live[key] = (storage.nbytes(), category, ref)
+            self._add(category, storage.nbytes())
 
     def _run_kernel(self, func, args, kwargs):
         """Run an attention HOP's eager kernel: what it allocates is scratch
@@ -144,9 +175,8 @@ class LiveMemory(TorchDispatchMode):
         for key in _storages(out):
             if key in self._live and key in allocated:  # re-filed to its region
                 nbytes, old, ref = self._live[key]
-                self.current[old] -= nbytes
-                self.current[category] += nbytes
-                self.peak[category] = max(self.peak[category], self.current[category])
+                self._add(old, -nbytes)
+                self._add(category, nbytes)
                 self._live[key] = (nbytes, category, ref)
         return out
 

@@ -19,7 +19,7 @@ _COLUMNS = (
     *("rank", "pp", "cp", "images here", "params {unit}", "buffers {unit}"),
     *("grads {unit}", "optimizer {unit}", "decoder act. {unit}"),
     *("vision act. {unit}", "retained / mb {unit}", "in flight"),
-    *("measured peak {unit}", "peak {unit}"),
+    "peak {unit}",
 )
 
 _NOTES = """\
@@ -27,9 +27,11 @@ Tensor bytes of one step per rank (zero_grad, forward, backward, clip,
 optimizer step) under FakeTensorMode and torch's (FSDP)MemTracker. decoder /
 vision act.: the forward's peak by module region, one microbatch (FSDP's
 all-gathers not included; flex attention as a fused kernel: no score matrices).
-peak = measured peak + (in flight - 1) x retained / mb: under PP a stage holds
-"in flight" microbatches at once, one measured (derived, not measured).
-Not modelled: the CUDA context, NCCL workspaces, the allocator's fragmentation."""
+Under PP each stage runs its schedule's forwards and backwards in order, holding
+"in flight" microbatches at once (and every microbatch's inputs); retained /
+mb: what one forward leaves alive. Checked against measured peaks:
+benchmarks/planner_peak.py. Not modelled: the CUDA context, NCCL workspaces,
+the allocator's rounding and fragmentation."""
 
 
 def plan_job(
@@ -104,7 +106,6 @@ def _report(job: str, estimates) -> str:
             + [f"{value / unit:.2f}" for value in sizes]
             + [
                 str(e.in_flight),
-                f"{e.measured_peak / unit:.2f}",
                 f"{e.peak / unit:.2f}",
             ]
         )
@@ -116,7 +117,7 @@ def _report(job: str, estimates) -> str:
     return (
         f"{job}\n\n{table([c.format(unit=name) for c in _COLUMNS], rows)}\n\n"
         f"Largest peak: rank {worst.rank}, {worst.peak / unit:.2f} {name}; at "
-        f"its measured peak ({name}): {breakdown}.\n\n{_NOTES}"
+        f"its peak ({name}): {breakdown}.\n\n{_NOTES}"
     )
 
 

@@ -2,10 +2,12 @@
 
 The batch is prepared by the plug-in Trainer's own hooks before the fake mode
 (the CP mask rewrite and the ptrr balancer read mask values on the host;
-``create_block_mask`` compiles). Under PP the step is what a single-stage
-schedule runs on this rank for one microbatch; the stage holds ``in_flight``
-microbatches' activations at once, so the planner adds ``in_flight - 1`` times
-what one microbatch leaves alive after its forward: the only derived figure.
+``create_block_mask`` compiles). Under PP the rank runs its stage's schedule:
+the forwards and backwards of a 1F1B (or GPipe) stage in their order, so the
+microbatches it holds at once, the unsharded parameters and the float32
+gradients it accumulates between them are all live when they are, not derived.
+The steady state repeats itself, so a stage runs its first ``in_flight + 1``
+microbatches (``schedule_order``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
 
 from torchtitan_ext import cpu_backend
 from torchtitan_ext.tools.simulated_cluster import simulated_rank
@@ -51,14 +54,15 @@ class RankEstimate:
     decoder_activations: int  # forward peak, decoder region, one microbatch
     vision_activations: int  # forward peak, vision region, one microbatch
     retained_activations: int  # activations alive after one forward
-    measured_peak: int  # peak of all tracked bytes over the step
+    measured_peak: int  # peak of all tracked bytes over the step (its schedule's)
     peak_breakdown: dict[str, int]  # by MemTracker's kinds, at that peak
     in_flight: int = 1  # microbatches whose activations a stage holds at once
     seconds: float = 0.0
 
     @property
     def peak(self) -> int:
-        return self.measured_peak + (self.in_flight - 1) * self.retained_activations
+        """The step's peak; under PP its schedule's, microbatches in flight live."""
+        return self.measured_peak
 
 
 def ranks_to_plan(config, world_size: int, grid_thw_N3: torch.Tensor) -> list[int]:
@@ -107,6 +111,19 @@ def microbatches_in_flight(schedule, stage_index: int) -> int:
     )
 
 
+def schedule_order(microbatches: int, in_flight: int) -> list[tuple[str, int]]:
+    """A stage's (``"F"`` or ``"B"``, microbatch) in 1F1B order: ``in_flight``
+    forwards, then a backward and a forward each, then the backwards left;
+    only the first ``in_flight + 1`` microbatches (GPipe: all forwards first)."""
+    count = min(microbatches, in_flight + 1)
+    order = [("F", i) for i in range(min(in_flight, count))]
+    for i in range(count):
+        order.append(("B", i))
+        if i + in_flight < count:
+            order.append(("F", i + in_flight))
+    return order
+
+
 def _hooks_trainer(simulated):
     """The plug-in's Trainer, unbuilt (no tokenizer, dataloader or checkpointer
     to build it from), holding what ``batch_generator`` and
@@ -141,41 +158,65 @@ def _create_optimizer_state(optimizers) -> None:
     optimizers.zero_grad(set_to_none=True)
 
 
+def _forward(simulated, module, inputs, labels, kwargs, boundary):
+    """One microbatch's forward (and loss, on the last stage): the output and
+    the stage's input, which a later stage receives from the one before."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    stage_inputs = []
+    if not simulated.has_first_stage:
+        shape, dtype = boundary
+        inputs = torch.empty(shape, dtype=dtype).requires_grad_()
+        stage_inputs = [inputs]
+    output = module(inputs, **kwargs)
+    if simulated.has_last_stage:  # as Trainer._forward_backward_body
+        positions = {k: v for k, v in kwargs.items() if k == "positions"}
+        output = simulated.loss_fn(  # over this rank's valid tokens
+            output, labels, (labels != IGNORE_INDEX).sum(), **positions
+        )[0]
+    return output, stage_inputs
+
+
 def _train_step(
     simulated, train_context, tracker, optimizers, inputs, labels, kwargs, boundary=None
 ) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """``Trainer.train_step``'s body on one batch; under PP, what a single-stage
-    schedule runs on this rank for one microbatch. A later stage's input has
-    ``boundary``, the (shape, dtype) the previous stage returned as sent."""
+    """``Trainer.train_step``'s body on one batch; under PP, this rank's stage
+    in its schedule's order (``schedule_order``), one microbatch being
+    ``batch``. A later stage's input has ``boundary``, the (shape, dtype) the
+    previous stage returned as sent. Regions are filed for the first forward."""
     import spmd_types as spmd
-    from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
 
     (module,) = simulated.model_parts
-    stage = simulated.pp_schedule._stage if simulated.pp_schedule else None
+    schedule = simulated.pp_schedule
+    stage = None if schedule is None else schedule._stage
+    order = [("F", 0), ("B", 0)]
+    if stage is not None:
+        in_flight = microbatches_in_flight(schedule, stage.stage_index)
+        order = schedule_order(schedule._n_microbatches, in_flight)
     optimizers.zero_grad(set_to_none=simulated.config.training.disable_cuda_graphs)
+    alive, sent = {}, None
     with train_context():
-        with tracker.in_forward():
-            stage_inputs = []
-            if not simulated.has_first_stage:
-                shape, dtype = boundary
-                inputs = torch.empty(shape, dtype=dtype).requires_grad_()
-                stage_inputs = [inputs]
-            output = module(inputs, **kwargs)
-            if simulated.has_last_stage:  # as Trainer._forward_backward_body
-                positions = {k: v for k, v in kwargs.items() if k == "positions"}
-                output = simulated.loss_fn(  # over this rank's valid tokens
-                    output, labels, (labels != IGNORE_INDEX).sum(), **positions
-                )[0]
-        sent = None if stage is None else (tuple(output.shape), output.dtype)
-        tracker.end_forward()
-        output_grads = None
-        if stage is not None and not simulated.has_last_stage:
-            output_grads = torch.empty_like(output)
-        with spmd.no_typecheck():
-            if stage is None:
-                output.backward()
-            else:  # FSDP without gradient sync or resharding, as per microbatch
+        for op, microbatch in order:
+            if op == "F":
+                first = microbatch == 0
+                with tracker.in_forward() if first else contextlib.nullcontext():
+                    alive[microbatch] = _forward(
+                        simulated, module, inputs, labels, kwargs, boundary
+                    )
+                if first:
+                    tracker.end_forward()
+                    sent = tuple(alive[0][0].shape), alive[0][0].dtype
+                continue
+            output, stage_inputs = alive.pop(microbatch)
+            with spmd.no_typecheck():
+                if stage is None:
+                    output.backward()
+                    continue
+                # FSDP without gradient sync or resharding, as per microbatch
+                output_grads = None
+                if not simulated.has_last_stage:
+                    output_grads = torch.empty_like(output)
                 stage.backward_maybe_with_nosync(
                     "full",
                     {
@@ -184,8 +225,8 @@ def _train_step(
                         "input_values": stage_inputs,
                     },
                 )
+            del output, output_grads, stage_inputs
     if stage is not None:
-        del output, output_grads, stage_inputs
         stage.perform_reduce_grad(1)
     dist_utils.clip_grad_norm_(
         [p for m in simulated.model_parts for p in m.parameters()],
@@ -195,7 +236,7 @@ def _train_step(
         ep_enabled=simulated.parallel_dims.ep_enabled,
     )
     optimizers.step()
-    return sent
+    return None if stage is None else sent
 
 
 def estimate_rank(config, batch, *, rank: int, world_size=None, boundary=None):
@@ -243,7 +284,14 @@ def estimate_rank(config, batch, *, rank: int, world_size=None, boundary=None):
             optimizers = simulated.config.optimizer.build(model_parts=[part])
             _create_optimizer_state(optimizers)
             tracker = region_tracker(part, optimizers.optimizers, vision)
-            tracker.track_batch(batch)
+            # torchtitan holds every microbatch of a step on the device at once.
+            schedule = simulated.pp_schedule
+            microbatches = 1 if schedule is None else schedule._n_microbatches
+            held = [batch] + [
+                tree_map_only(torch.Tensor, torch.empty_like, batch)
+                for _ in range(microbatches - 1)
+            ]
+            tracker.track_batch(held)
             with tracker:
                 before = tracker.live_bytes()
                 step = (simulated, train_context, tracker, optimizers, *batch)

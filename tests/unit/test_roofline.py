@@ -79,6 +79,9 @@ def test_the_verb_chooses_the_fastest_that_fits():
     assert (fastest["cp"], fastest["ac"]) == (1, "none")
     assert fastest["fastest_fitting"] and fastest["fits"]
     assert all("peak_bytes" not in row for row in roomy[1:])
+    # The RoPE tables on paper are the planned rank's buffers (and inv_freq).
+    rope = fastest["fixed_terms"]["RoPE tables"]
+    assert rope <= fastest["breakdown"]["Buffer"] <= rope * 1.01
 
     tight = _choose(gpu_memory_gb=(fastest["peak_bytes"] - 1) / 1e9)
     planned = [row for row in tight if "peak_bytes" in row]

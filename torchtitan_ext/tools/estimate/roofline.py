@@ -167,8 +167,9 @@ def step_time(config, world_size: int, images: int, tokens_per_image: int, hw):
 
 
 def fixed_terms(config, images: int, tokens_per_image: int) -> dict[str, float]:
-    """Bytes a rank holds at its peak that no CP degree shrinks, by paper count
-    (one microbatch; bf16 activations and parameters for compute)."""
+    """Bytes a rank holds that no CP degree shrinks, by paper count (one
+    microbatch; bf16 activations and parameters for compute), each at its own
+    moment: the vision encoder's while it runs, not at the step's peak."""
     p, model = config.parallelism, config.model_spec.model
     tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
     rows = p.pipeline_parallel_microbatch_size if pp > 1 else None
@@ -189,6 +190,11 @@ def fixed_terms(config, images: int, tokens_per_image: int) -> dict[str, float]:
         "sliding layers' all-gathered k/v": kept * kv_layer,
         # ChunkedLossWrapper keeps lm_head all-gathered across its chunks.
         "lm_head unsharded across loss chunks": params["lm_head"] / tp * 2,
+        # Each layer's complex64 table covers the whole sequence on every CP rank.
+        "RoPE tables": sum(layer.attention.rope is not None for layer in model.layers)
+        * config.training.seq_len
+        * (a0.rope.dim // 2)
+        * 8,
     }
 
 

@@ -2,54 +2,222 @@
 
 import ast
 import difflib
+import hashlib
+import importlib.metadata
+import importlib.util
 import inspect
 import textwrap
+import traceback
 import types
+from pathlib import Path
 
 import pytest
+import torchtitan
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+from torchtitan.distributed import compile as upstream_compile
+from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
 from torchtitan.models.muse_glimmer import parallelize as upstream_parallelize
 from torchtitan.models.muse_glimmer import vision_encoder as upstream_vision_encoder
 
 from torchtitan_ext.muse_glimmer import parallelize as plugin_parallelize
 from torchtitan_ext.muse_glimmer import vision_encoder as plugin_vision_encoder
+from torchtitan_ext.muse_glimmer.config_checks import check_job_config
+from torchtitan_ext.tools.simulated_cluster import simulated_rank
+
+from ..jobs import train_config
+
+# torchtitan 0.3.0's parallelize_muse_glimmer, which the plug-in runs rebuilt
+# without its CP refusal: its file under torchtitan/, its first line and the
+# sha256 of its source (inspect.getsource's text).
+_PARALLELIZE_030 = (
+    "models/muse_glimmer/parallelize.py",
+    30,
+    "e8cefb80e94c531301cae892a34a94803169b68e9dec46cb5912d8d312dfb055",
+)
 
 
-def test_parallelize_is_upstreams_minus_its_one_cp_refusal():
-    """The plug-in's function is upstream's source less one ``if`` that raises.
+def _source_pin(function) -> tuple[str, int, str]:
+    lines, first_line = inspect.getsourcelines(function)
+    path = Path(inspect.getsourcefile(function))
+    relative = path.relative_to(Path(torchtitan.__file__).parent).as_posix()
+    return relative, first_line, hashlib.sha256("".join(lines).encode()).hexdigest()
 
-    ``without_cp_refusal`` raises at import when the installed torchtitan has
-    no such block (then upstream's function can be used as it is) or another
-    ``if`` on CP. Here the refusal is also found and cut by hand, and the two
-    trees must be equal.
-    """
-    source = textwrap.dedent(
-        inspect.getsource(upstream_parallelize.parallelize_muse_glimmer)
+
+def test_upstream_parallelize_is_the_pinned_030_source():
+    """The plug-in adopts whatever the installed function holds: a change
+    anywhere in it fails here, to be re-checked before it runs under CP."""
+    pin = _source_pin(upstream_parallelize.parallelize_muse_glimmer)
+    assert pin == _PARALLELIZE_030, (
+        f"torchtitan's parallelize_muse_glimmer (file, first line, sha256) is {pin}, "
+        f"not 0.3.0's {_PARALLELIZE_030}. The plug-in runs it rebuilt without its "
+        "CP refusal; re-check what changed against UPSTREAM.md (parallelize.py): "
+        "the refusal (still one `if parallel_dims.cp_enabled: raise`? gone because "
+        "upstream allows CP: drop the rebuild), the apply_compile calls the plug-in "
+        "redirects (drop its wrapper once #4806 is in), the TP, AC, compile, FSDP "
+        "order and FSDP's (dp_shard, cp) mesh that sharding.py's vision layouts "
+        "rely on; then re-pin _PARALLELIZE_030."
     )
-    by_hand = ast.parse(source)
+
+
+def _upstream_refusal(tree: ast.Module) -> tuple[ast.AST, ast.If]:
+    """The one ``if parallel_dims.cp_enabled`` in ``tree``, and its parent."""
     found = [
         (node, statement)
-        for node in ast.walk(by_hand)
+        for node in ast.walk(tree)
         for statement in getattr(node, "body", [])
         if isinstance(statement, ast.If)
         and ast.unparse(statement.test) == plugin_parallelize.CP_REFUSAL
     ]
     assert len(found) == 1, found
-    parent, refusal = found[0]
+    return found[0]
+
+
+def test_parallelize_is_upstreams_minus_its_one_cp_refusal():
+    """The plug-in's function is upstream's source less one ``if`` that raises.
+
+    ``without_cp_refusal`` raises when the installed torchtitan has no such
+    block or another ``if`` on CP (the import then keeps upstream's function).
+    Here the refusal is also found and cut by hand, and the two trees must be
+    equal.
+    """
+    source = textwrap.dedent(
+        inspect.getsource(upstream_parallelize.parallelize_muse_glimmer)
+    )
+    by_hand = ast.parse(source)
+    parent, refusal = _upstream_refusal(by_hand)
     assert "context parallel is not supported" in ast.unparse(refusal)
     parent.body.remove(refusal)
     rebuilt = plugin_parallelize.DropCpRefusal().visit(ast.parse(source))
     assert ast.dump(rebuilt) == ast.dump(by_hand)
 
 
+def _raising_frame(function) -> tuple:
+    """Where ``function`` raises for an spmd backend it does not take (its first
+    statement): file, line, function and source line of the innermost frame."""
+    with pytest.raises(NotImplementedError) as raised:
+        function(
+            None,
+            parallel_dims=None,
+            training=None,
+            parallelism=types.SimpleNamespace(spmd_backend="not_a_backend"),
+            compile_config=None,
+            ac_config=None,
+            dump_folder="",
+        )
+    frame = traceback.extract_tb(raised.value.__traceback__)[-1]
+    return frame.filename, frame.lineno, frame.name, frame.line
+
+
+def test_a_raise_in_the_rebuilt_function_names_upstreams_line():
+    """Tracebacks and breakpoints point into upstream's file at upstream's lines:
+    every line the rebuilt code runs is the upstream line it came from."""
+    upstream = upstream_parallelize.parallelize_muse_glimmer
+    rebuilt = plugin_parallelize.parallelize_muse_glimmer
+    assert _raising_frame(rebuilt) == _raising_frame(upstream)
+    filename, _, _, line = _raising_frame(rebuilt)
+    assert (filename, line) == (
+        inspect.getsourcefile(upstream),
+        "raise NotImplementedError(",
+    )
+    assert rebuilt.__code__.co_firstlineno == upstream.__code__.co_firstlineno
+
+    _, refusal = _upstream_refusal(ast.parse(Path(filename).read_text()))
+    refusal_lines = set(range(refusal.lineno, refusal.end_lineno + 1))
+
+    def lines(code) -> set[int]:
+        # The closure's prologue (COPY_FREE_VARS) has no line.
+        return {line for *_, line in code.co_lines()} - {None}
+
+    assert lines(rebuilt.__code__) == lines(upstream.__code__) - refusal_lines
+
+
+def test_only_apply_compile_is_bound_and_upstreams_module_is_untouched():
+    """The rebuilt function's one closure variable is the plug-in's
+    ``apply_compile``; upstream's module keeps its own names, its function
+    calling torchtitan's ``apply_compile``."""
+    before = dict(vars(upstream_parallelize))
+    rebuilt = plugin_parallelize.without_cp_refusal(
+        upstream_parallelize.parallelize_muse_glimmer
+    )
+    assert vars(upstream_parallelize) == before
+    assert upstream_parallelize.apply_compile is upstream_compile.apply_compile
+    closure = [cell.cell_contents for cell in rebuilt.__closure__ or ()]
+    assert dict(zip(rebuilt.__code__.co_freevars, closure, strict=True)) == {
+        "apply_compile": plugin_parallelize.apply_compile
+    }
+
+
+def test_the_rebuilt_function_reads_upstreams_module_at_call_time(monkeypatch):
+    """A later patch of upstream's module reaches the rebuilt function."""
+
+    class Patched(Exception):
+        pass
+
+    def validate_config(parallel_dims, model):
+        raise Patched
+
+    monkeypatch.setattr(upstream_parallelize, "validate_config", validate_config)
+    with pytest.raises(Patched):
+        plugin_parallelize.parallelize_muse_glimmer(
+            types.SimpleNamespace(vision_encoder=None),
+            parallel_dims=types.SimpleNamespace(seq_len_divisor=1),
+            training=types.SimpleNamespace(seq_len=8),
+            parallelism=types.SimpleNamespace(spmd_backend="spmd_types"),
+            compile_config=None,
+            ac_config=None,
+            dump_folder="",
+        )
+
+
 def test_the_rebuilt_function_parallelizes_with_the_plugins_apply_compile():
-    fn = plugin_parallelize.parallelize_muse_glimmer
-    assert fn.__module__ == plugin_parallelize.__name__
-    assert fn.__globals__["apply_compile"] is plugin_parallelize.apply_compile
-    assert fn is not upstream_parallelize.parallelize_muse_glimmer
+    """Rank 0 of the CP2 multimodal debug job with ``--compile.enable``, on a fake
+    world of 2 ranks (meta device): upstream's function refuses CP and its
+    ``apply_compile`` raises on the vision adapter. Here every decoder and vision
+    block is compiled, the adapter left eager, and FSDP shards every parameter
+    over dp_shard x cp."""
+    job = train_config("cp2.toml", "--compile.enable")
+    assert job.model_spec.parallelize_fn is plugin_parallelize.parallelize_muse_glimmer
+    with simulated_rank(job, world_size=2) as rank:
+        (model,) = rank.model_parts
+        fsdp_mesh, _ = resolve_fsdp_mesh(rank.parallel_dims)  # upstream's
+        fsdp_ranks = tuple(fsdp_mesh.mesh.flatten().tolist())
+        cp_ranks = tuple(rank.parallel_dims.get_mesh("cp").mesh.flatten().tolist())
+    assert fsdp_ranks == cp_ranks == (0, 1)  # dp_shard 1 x cp 2
+    stacks = {
+        "layers": model.layers,
+        "vision_encoder.layers": model.vision_encoder.layers,
+    }
+    blocks = {
+        f"{prefix}.{name}"
+        for prefix, stack in stacks.items()
+        for name in dict(stack.named_children())
+    }
+    compiled = {
+        name
+        for name, module in model.named_modules()
+        if module._compiled_call_impl is not None
+    }
+    assert compiled == blocks
+    units = {
+        name for name, module in model.named_modules() if isinstance(module, FSDPModule)
+    }
+    assert {
+        "vision_encoder",
+        "vision_adapter",
+        *(f"layers.{n}" for n in dict(model.layers.named_children())),
+    } <= units
+    placements = {
+        (tuple(p.device_mesh.mesh.flatten().tolist()), p.placements)
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+    }
+    assert placements == {(fsdp_ranks, (Shard(0),))}
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_a_second_cp_branch_upstream_stops_the_import():
-    """Not blind: upstream with a second CP branch, or none, is refused."""
+def test_without_cp_refusal_refuses_a_function_it_cannot_cut():
+    """Not blind: a function with a second CP branch, or none, is refused."""
 
     def parallelize(parallel_dims):
         if parallel_dims.cp_enabled:
@@ -75,6 +243,49 @@ def _only_refusal(parallel_dims):
     if parallel_dims.cp_enabled:
         raise NotImplementedError("no CP")
     return parallel_dims
+
+
+def _changed_upstream(model, **kwargs):
+    """A torchtitan whose parallelize_muse_glimmer has no CP refusal to cut."""
+    return model
+
+
+def test_a_changed_upstream_imports_and_refuses_only_multimodal_cp(monkeypatch):
+    """A torchtitan whose function cannot be rebuilt: the plug-in still imports
+    and uses upstream's function unchanged; a multimodal CP job alone is refused,
+    by its config, so on every rank alike before any collective."""
+    monkeypatch.setattr(
+        upstream_parallelize, "parallelize_muse_glimmer", _changed_upstream
+    )
+    spec = importlib.util.spec_from_file_location(
+        "changed_upstream_parallelize", plugin_parallelize.__file__
+    )
+    changed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(changed)  # a fresh import, beside the real module
+    assert changed.parallelize_muse_glimmer is _changed_upstream
+    assert changed.REBUILD_FAILURE == (
+        "RuntimeError: expected one `if parallel_dims.cp_enabled: raise` in "
+        "torchtitan's _changed_upstream, found 0 (and 0 other "
+        "`if parallel_dims.cp_enabled`): torchtitan changed; see UPSTREAM.md"
+    )
+
+    monkeypatch.setattr(plugin_parallelize, "REBUILD_FAILURE", changed.REBUILD_FAILURE)
+    with pytest.raises(ValueError) as error:
+        check_job_config(train_config("cp2.toml"), world_size=2)
+    assert str(error.value) == (
+        "parallelism.context_parallel_degree=2 needs torchtitan's "
+        "parallelize_muse_glimmer rebuilt without its CP refusal, which failed on "
+        f"the installed torchtitan {importlib.metadata.version('torchtitan')} "
+        f"({changed.REBUILD_FAILURE}). Run with context_parallel_degree=1 "
+        "(upstream's function, unchanged), or re-check torchtitan's new "
+        "parallelize_muse_glimmer against the plug-in (UPSTREAM.md, the "
+        "parallelize.py row) and update torchtitan_ext/muse_glimmer/parallelize.py "
+        "and tests/unit/test_upstream_guards.py."
+    )
+    check_job_config(train_config("fsdp2.toml"), world_size=2)  # no CP
+    text_only = train_config("cp2.toml")
+    text_only.model_spec.model.vision_encoder = None  # upstream allows its CP
+    check_job_config(text_only, world_size=2)
 
 
 def _diff(expected: str, got: str) -> list[str]:

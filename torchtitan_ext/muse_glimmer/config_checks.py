@@ -20,6 +20,8 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models.muse_glimmer.model import _window_mask_key
 
+from .parallelize import check_cp_parallelize
+
 __all__ = [
     "check_context_parallel",
     "check_image_settings",
@@ -258,6 +260,7 @@ def check_job_config(config, world_size: int) -> None:
     model_config = config.model_spec.model if config.model_spec else None
     if getattr(model_config, "vision_encoder", None) is None:
         return
+    check_cp_parallelize(parallelism.context_parallel_degree)
     check_context_parallel(model_config, config)
     check_tensor_parallel_heads(model_config, parallelism.tensor_parallel_degree)
     check_pipeline_split(parallelism, len(model_config.layers))

@@ -5,8 +5,15 @@ imported torchtitan on the CPU backend once (``warm_ranks``); each takes the
 caller's environment and torchrun's, joins one gloo group on 127.0.0.1 (unless
 ``init_process_group=False``: a Trainer built in ``fn`` joins its own) and calls
 ``fn``, a picklable top-level function; results via ``torch.save``.
+
+As torchrun's agent does, the launcher hosts the rendezvous store on a port the
+OS picks before any rank starts (no free port to race a parallel launch for),
+and the ranks join it as clients (``TORCHELASTIC_USE_AGENT_STORE``); each rank's
+``@record`` (torchtitan's Trainer) writes its error to ``TORCHELASTIC_ERROR_FILE``.
 """
 
+import contextlib
+import json
 import os
 import pickle
 import runpy
@@ -31,7 +38,12 @@ _WARM = "torchtitan_ext.tools.warm_ranks"  # the fork server imports it once
 
 
 class RankError(RuntimeError):
-    """A rank raised, or died without reporting."""
+    """A rank raised, or died without reporting; ``errors``: what each rank's
+    error file says (``{rank: "Type: message"}``), as torchrun reports it."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def free_port() -> int:
@@ -41,9 +53,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _error_file(out: str, rank: int) -> Path:
+    """torchrun's ``<attempt log dir>/<local rank>/error.json``."""
+    return Path(out, str(rank), "error.json")
+
+
+def _error_files(out: str, world_size: int) -> dict[int, str]:
+    """``{rank: message}`` of the ranks that wrote one, the first written first."""
+    found = []
+    for rank in range(world_size):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            error = json.loads(_error_file(out, rank).read_text())["message"]
+            found.append((int(error["extraInfo"]["timestamp"]), rank, error["message"]))
+    return {rank: message for _, rank, message in sorted(found)}
+
+
 def _entry(rank, world_size, port, env, payload, timeout_s, init_process_group, out):
     os.environ.clear()  # the server's environment is the caller's at its start
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # torchrun's: the store at MASTER_PORT is the launcher's; @record's file.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(_error_file(out, rank))
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):
         os.environ[name] = os.environ[f"LOCAL_{name}"] = str(value)
     try:
@@ -78,15 +108,21 @@ def run_on_ranks(
     """``[fn(*args, **kwargs) on rank r for r in range(world_size)]``, on gloo ranks.
 
     ``RankError`` carries the first failing rank's traceback or exit code (the
-    others get 2 s to end, then are killed); ``TimeoutError`` names the ranks
-    still running after ``timeout_s`` (a hang?). No process outlives the call.
+    others get 2 s to end, then are killed) and every rank's error file;
+    ``TimeoutError`` names the ranks still running after ``timeout_s`` (a
+    hang?). No process outlives the call. One default process group per rank,
+    as under torchrun: the store's keys last the whole call.
     """
     name = f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks"
     payload = pickle.dumps((fn, args, kwargs))
+    # Port 0: the OS binds a free one, held until the call returns.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="local-ranks-") as out:
+        for rank in range(world_size):
+            _error_file(out, rank).parent.mkdir()
         env = dict(os.environ)
         mp.get_context("forkserver").set_forkserver_preload([_WARM])
-        common = (world_size, free_port(), env, payload, timeout_s, init_process_group)
+        common = (world_size, store.port, env, payload, timeout_s, init_process_group)
         context = mp.start_processes(
             _entry, (*common, out), world_size, join=False, start_method="forkserver"
         )
@@ -100,7 +136,11 @@ def run_on_ranks(
                         f"{timeout_s:.0f} s (hang?); all processes killed"
                     )
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise RankError(f"{name}: rank {e.error_index} failed: {e}") from None
+            errors = _error_files(out, world_size)
+            lines = "".join(f"\n  rank {r}: {m}" for r, m in errors.items())
+            files = f"\nerror files, first written first:{lines}" if errors else ""
+            message = f"{name}: rank {e.error_index} failed: {e}{files}"
+            raise RankError(message, errors) from None
         finally:
             for process in context.processes:
                 process.kill()
@@ -122,8 +162,10 @@ def run_module(module: str, args: list[str], env: dict[str, str], logs: str) -> 
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if int(os.environ["WORLD_SIZE"]) > 1:
-        torch.set_num_threads(1)  # run_train.sh's OMP_NUM_THREADS=1
+    # run_train.sh's OMP_NUM_THREADS: the caller's, else 1 if several ranks run.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads or int(os.environ["WORLD_SIZE"]) > 1:
+        torch.set_num_threads(int(threads or 1))
     sys.argv = [module, *args]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -16,16 +16,23 @@ trains as ``torchtitan_ext.train`` does:
 - ``kill_in_save``: the rank named by ``TORCHTITAN_EXT_FAULT_RANK`` kills
   itself (SIGKILL) in its second checkpoint save, once its shard is written
   and before the checkpoint's ``.metadata`` can be: a save cut short.
+- ``late_node``: the ranks of the node named by ``TORCHTITAN_EXT_FAULT_NODE``
+  (torchrun's ``GROUP_RANK``) sleep ``TORCHTITAN_EXT_FAULT_DELAY_S`` seconds
+  as they start building the trainer, as ranks importing from a cold
+  filesystem would be late.
 """
 
 import os
 import signal
+import time
 
 from torchtitan_ext import cpu_backend
 
 FAULT_ENV = "TORCHTITAN_EXT_FAULT"
 RANK_ENV = "TORCHTITAN_EXT_FAULT_RANK"
 SAMPLE_ENV = "TORCHTITAN_EXT_FAULT_SAMPLE"
+NODE_ENV = "TORCHTITAN_EXT_FAULT_NODE"
+DELAY_ENV = "TORCHTITAN_EXT_FAULT_DELAY_S"
 
 
 def _batches_counted(data, state: dict) -> None:
@@ -101,11 +108,26 @@ def _kill_in_the_second_save() -> None:
     filesystem._FileSystemWriter.write_data = killed_after_writing
 
 
+def _late_node() -> None:
+    if os.environ["GROUP_RANK"] != os.environ[NODE_ENV]:
+        return
+    from torchtitan_ext.muse_glimmer.trainer import MuseGlimmerTrainer
+
+    init = MuseGlimmerTrainer.__init__
+
+    def late(self, config):  # imports done, config parsed: the delay alone
+        time.sleep(float(os.environ[DELAY_ENV]))
+        init(self, config)
+
+    MuseGlimmerTrainer.__init__ = late
+
+
 FAULTS = {
     "drop_sample": _drop_one_sample_after_the_first_batch,
     "short_grid": _short_grid_at_the_second_batch,
     "nan_pixel": _nan_pixel_in_one_sample,
     "kill_in_save": _kill_in_the_second_save,
+    "late_node": _late_node,
 }
 
 

@@ -11,10 +11,20 @@ loopback nodes: README, "Checkpoints, restarts and failures".
 
 Local rank 0 of each node bumps its counter in torchrun's store every
 ``interval_s`` and reads the other nodes'. A node whose counter has not moved
-for ``stale_s`` (clock-free: only this node's monotonic clock is read), or a
-store that stops answering for as long (node 0 hosts it), ends this node's
-ranks with one line naming it: torchrun then stops the node's other ranks.
-A node that finished training says so, so it is never taken for dead.
+for ``stale_s`` since it last did (clock-free: only this node's monotonic
+clock is read), or a store that stops answering for as long (node 0 hosts it),
+ends this node's ranks with one line naming it: torchrun then stops the node's
+other ranks. A node that finished training says so, so it is never taken for
+dead.
+
+A node that has not beaten yet is judged only ``init_timeout_s``
+(``comm.init_timeout_seconds``) after this node's watchdog started: nodes
+start their watchdogs apart when the process group connects lazily (NCCL;
+gloo with ``TORCH_GLOO_LAZY_INIT=1``) and one node's ranks import slowly,
+and the process group's first collective waits as long for them. Keys live
+under torchrun's run id and restart count: a restart (``--max-restarts``)
+keeps the static rendezvous' store, and must not read the previous attempt's
+beats or finished marks.
 """
 
 import os
@@ -22,13 +32,16 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 __all__ = ["NodeWatchdog"]
 
-_KEY = "torchtitan_ext/node_watchdog/{}/{}"
+_PREFIX = "torchtitan_ext/node_watchdog/{run}/{restart}"
+_KEY = "{}/{}"  # kind, node
+_INSTEAD = "rather than at the collectives' timeout (comm.train_timeout_seconds)"
 
 
 def _end_this_node(message: str) -> None:
@@ -46,17 +59,19 @@ class NodeWatchdog:
         node: int,
         nodes: int,
         *,
+        init_timeout_s: float,
         interval_s: float = 5.0,
         stale_s: float = 30.0,
         where: str = "torchrun's store",
         on_dead: Callable[[str], None] = _end_this_node,
     ) -> None:
         self._store, self._node, self._nodes = store, node, nodes
+        self._init_timeout_s = init_timeout_s
         self._interval_s, self._stale_s = interval_s, stale_s
         self._where, self._on_dead = where, on_dead
-        now = time.monotonic()
-        self._answered = now  # the store's last answer
-        self._moved = dict.fromkeys(range(nodes), now)  # each node's last beat
+        # When this node began waiting, the store's last answer: set by start().
+        self._started = self._answered = time.monotonic()
+        self._moved: dict[int, float] = {}  # a beaten node's last beat, seen here
         self._beats: dict[int, int] = {}
         self._finished: set[int] = set()
         self._error = ""  # why the store stopped answering, when it said
@@ -69,8 +84,13 @@ class NodeWatchdog:
         ]
 
     @classmethod
-    def for_torchrun(cls) -> "NodeWatchdog | None":
-        """Local rank 0's watchdog of a multi-node torchrun job; None otherwise."""
+    def for_torchrun(
+        cls, init_timeout_s: float, **options: Any
+    ) -> "NodeWatchdog | None":
+        """Local rank 0's watchdog of a multi-node torchrun job; None otherwise.
+
+        ``options``: the constructor's clocks and ``on_dead``.
+        """
         nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
         if nodes == 1 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
             return None
@@ -78,14 +98,28 @@ class NodeWatchdog:
         store = dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=30)
         )
+        prefix = _PREFIX.format(
+            run=os.environ["TORCHELASTIC_RUN_ID"],
+            restart=os.environ["TORCHELASTIC_RESTART_COUNT"],
+        )
         return cls(
-            store,
+            dist.PrefixStore(prefix, store),
             int(os.environ["GROUP_RANK"]),
             nodes,
+            init_timeout_s=init_timeout_s,
             where=f"torchrun's store at {host}:{port} (on node 0)",
+            **options,
         )
 
     def start(self) -> "NodeWatchdog":
+        logger.info(
+            f"Node watchdog on node {self._node} of {self._nodes} started: a node "
+            f"silent for {self._stale_s:.0f} s ends this node, one that has not "
+            f"beaten yet after {self._init_timeout_s:.0f} s "
+            "(comm.init_timeout_seconds)."
+        )
+        # After the line: its time is never later than the clocks' start.
+        self._started = self._answered = time.monotonic()
         for thread in self._threads:
             thread.start()
         return self
@@ -109,7 +143,7 @@ class NodeWatchdog:
                 self._store.add(_KEY.format("beat", self._node), 1)
                 for node in range(self._nodes):
                     beats = self._store.add(_KEY.format("beat", node), 0)
-                    if beats != self._beats.get(node):
+                    if beats and beats != self._beats.get(node):
                         self._beats[node], self._moved[node] = beats, time.monotonic()
                     if self._store.add(_KEY.format("finished", node), 0):
                         self._finished.add(node)
@@ -120,12 +154,12 @@ class NodeWatchdog:
             self._stop.wait(self._interval_s)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(self._next_watch_s()):
             now = time.monotonic()
             silent = [
                 node
-                for node, moved in self._moved.items()
-                if node not in self._finished and now - moved > self._stale_s
+                for node in range(self._nodes)
+                if node not in self._finished and self._overdue_s(node, now) >= 0
             ]
             store_silent_s = now - self._answered
             if store_silent_s > 2 * self._interval_s and (
@@ -133,17 +167,44 @@ class NodeWatchdog:
             ):
                 return self._dead(
                     f"{self._where} has not answered for {store_silent_s:.0f} s"
-                    + self._error
+                    f"{self._error} (dead, frozen or cut off)"
+                )
+            if silent and silent[0] not in self._moved:
+                return self._dead(
+                    f"node {silent[0]} of {self._nodes} has not beaten in "
+                    f"{self._where} since this node's watchdog started "
+                    f"{now - self._started:.0f} s ago (comm.init_timeout_seconds "
+                    f"is {self._init_timeout_s:g}; never started, dead or cut off)",
+                    "before the process group's first collective times out "
+                    "without naming it",
                 )
             if silent:
                 return self._dead(
                     f"node {silent[0]} of {self._nodes} has not beaten in "
-                    f"{self._where} for {now - self._moved[silent[0]]:.0f} s"
+                    f"{self._where} for {now - self._moved[silent[0]]:.0f} s "
+                    "(dead, frozen or cut off)"
                 )
 
-    def _dead(self, why: str) -> None:
+    def _overdue_s(self, node: int, now: float) -> float:
+        """Seconds ``node`` is past its deadline (>= 0: dead); < 0: short of it."""
+        if node in self._moved:
+            return now - self._moved[node] - self._stale_s
+        return now - self._started - self._init_timeout_s
+
+    def _next_watch_s(self) -> float:
+        """The interval, or less to judge a node that has not beaten on time.
+
+        The process group's first collective waits as long from a moment after
+        this watchdog started: judged on time, the node is named here before
+        that collective fails without naming it.
+        """
+        to_deadline_s = self._started + self._init_timeout_s - time.monotonic()
+        if len(self._moved) < self._nodes and to_deadline_s > 0:
+            return min(self._interval_s, to_deadline_s)
+        return self._interval_s
+
+    def _dead(self, why: str, instead: str = _INSTEAD) -> None:
         self._on_dead(
-            f"Node watchdog on node {self._node}: {why} (dead, frozen or cut off); "
-            "ending this node's ranks now rather than at the collectives' timeout "
-            "(comm.train_timeout_seconds)."
+            f"Node watchdog on node {self._node}: {why}; ending this node's "
+            f"ranks now {instead}."
         )

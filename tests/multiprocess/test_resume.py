@@ -272,17 +272,20 @@ def _free_port() -> int:
 
 
 def _start_two_nodes(
-    runs, dump: Path, args: list[str]
+    runs, dump: Path, args: list[str], env: dict[str, str] | None = None
 ) -> tuple[list[threading.Thread], dict[int, RunRecord]]:
-    """``run_train.sh`` CP2 with NNODES=2, started once per node on loopback."""
+    """``run_train.sh`` CP2 with NNODES=2, started once per node on loopback.
+
+    ``env``: more ``run_train.sh`` variables for both nodes (a fault).
+    """
     endpoint = f"localhost:{_free_port()}"
     records: dict[int, RunRecord] = {}
 
     def node(rank: int) -> None:
-        env = {"NNODES": "2", "NODE_RANK": str(rank), "RDZV_ENDPOINT": endpoint}
+        node_env = {"NNODES": "2", "NODE_RANK": str(rank), "RDZV_ENDPOINT": endpoint}
         records[rank] = launch_run(
             f"{dump.name}_node{rank}",
-            {**JOBS["cp2"].job_env(ngpu=1), **env},
+            {**JOBS["cp2"].job_env(ngpu=1), **(env or {}), **node_env},
             [str(RUN_TRAIN), f"--dump_folder={dump}", *args],
             runs.out / f"{dump.name}_node{rank}.log",
             timeout=TIMEOUT_S,

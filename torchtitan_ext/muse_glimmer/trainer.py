@@ -388,7 +388,9 @@ class MuseGlimmerTrainer(Trainer):
         """
         check_job_config(self.config, int(os.environ.get("WORLD_SIZE", "1")))
         parallel_dims = super().init_distributed()
-        self.node_watchdog = NodeWatchdog.for_torchrun()
+        self.node_watchdog = NodeWatchdog.for_torchrun(
+            self.config.comm.init_timeout_seconds
+        )
         if self.node_watchdog is not None:
             self.node_watchdog.start()
         return parallel_dims

@@ -4,20 +4,29 @@ The cases are the ``hostile`` embedded variant's (a corrupt JPEG, a sliver past
 torchtitan's aspect-ratio limit, image placeholders cut by ``seq_len``, an empty
 caption, an oversized and a sub-patch image), plus a corrupt JPEG in the cc12m
 tar layout, a record the sample processor raises on, and data without one good
-sample. Each goes through torchtitan's own loader and the plug-in's.
+sample; and what HF's webdataset builder met inside its own iterator: a caption
+that is not UTF-8, a JSON member that does not parse and a tar cut short. Each
+goes through torchtitan's own loader and the plug-in's.
 """
 
 import dataclasses
+import gzip
+import hashlib
+import inspect
 import io
+import json
 import re
 import tarfile
 import threading
 from pathlib import Path
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from datasets import load as datasets_load
+from datasets import load_dataset
 from PIL import Image
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import MultiModalTokenizer
@@ -44,6 +53,12 @@ from torchtitan_ext.muse_glimmer import (
     post_process_with_vision_bank_indices,
 )
 from torchtitan_ext.muse_glimmer.data import RobustMMDataLoader
+from torchtitan_ext.muse_glimmer.webdataset import (
+    UndecodedWebDataset,
+    decode_members,
+    hf_webdataset,
+    members_undecoded,
+)
 
 # torchtitan decodes with torchvision.io, which warns once per image.
 pytestmark = pytest.mark.filterwarnings(
@@ -87,6 +102,8 @@ def _loader(
     robust,
     seq_len=HOSTILE_SEQ_LEN,
     local_batch_size=1,
+    dp_world_size=1,
+    dp_rank=0,
     **overrides,
 ):
     """muse_glimmer's own loader config: upstream's loader, or the plug-in's."""
@@ -100,8 +117,8 @@ def _loader(
         config, dataset_path=str(dataset_dir), **{"infinite": False, **overrides}
     )
     return config.build(
-        dp_world_size=1,
-        dp_rank=0,
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
         tokenizer=tokenizer,
         seq_len=seq_len,
         local_batch_size=local_batch_size,
@@ -132,6 +149,101 @@ def _parquet(path: Path, texts: list, images: list) -> Path:
     )
     pq.write_table(table, path / "data.parquet")
     return path
+
+
+# Sample 0001's caption in Latin-1 (not UTF-8); sample 0002's json member cut.
+BAD_MEMBERS = {"txt": "un é".encode("latin-1"), "json": b'{"key": "0002", "capt'}
+
+
+def _error(action) -> str:
+    """What ``action`` raises, as the plug-in's skip reasons quote an error."""
+    try:
+        action()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("expected an error")
+
+
+def _members(index: int) -> dict[str, bytes]:
+    """Embedded sample ``index`` as a cc12m webdataset sample: jpg, txt, json."""
+    caption = sample_spec(index).caption
+    meta = json.dumps({"key": f"{index:04d}", "caption": caption})
+    return {"jpg": _jpeg(index), "txt": caption.encode(), "json": meta.encode()}
+
+
+def _tar(path: Path, samples: dict[str, dict[str, bytes]], cut_in=None) -> Path:
+    """A webdataset shard (key -> members); ``cut_in``: the file ends halfway
+    through that sample's jpg, as an interrupted download leaves it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples.items():
+            for extension, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    if cut_in is not None:
+        with tarfile.open(path) as tar:
+            jpg = tar.getmember(f"{cut_in}.jpg")
+        with open(path, "r+b") as file:
+            file.truncate(jpg.offset_data + jpg.size // 2)
+    return path
+
+
+def _cut_error(shard: Path) -> str:
+    """What tarfile says reading ``shard`` as HF streams it."""
+
+    def read() -> None:
+        with tarfile.open(shard, "r|") as tar:
+            for member in tar:
+                tar.extractfile(member).read()
+
+    return _error(read)
+
+
+def hostile_webdataset(out_dir: Path) -> tuple[Path, list[str]]:
+    """cc12m shards holding what a crawl's webdataset delivers, and the plug-in's
+    warnings on them, in order: shard 0 holds samples 0000..0003, 0001's caption
+    not UTF-8 and 0002's json not JSON; shard 1 is cut inside 0005's jpg, after
+    0004; shards 2 and 3 hold 0007, 0008 and 0009. Six samples train. Two
+    workers read shards 0, 2 and 1, 3: each has a batch after its skips (a
+    batch carries the count home)."""
+    samples = {f"{i:04d}": _members(i) for i in range(10)}
+    samples["0001"]["txt"], samples["0002"]["json"] = BAD_MEMBERS.values()
+    keys = [["0000", "0001", "0002", "0003"], ["0004", "0005", "0006"]]
+    keys += [["0007", "0008"], ["0009"]]
+    shards = [
+        _tar(
+            out_dir / f"hostile-{n}.tar",
+            {key: samples[key] for key in shard},
+            cut_in="0005" if n == 1 else None,
+        )
+        for n, shard in enumerate(keys)
+    ]
+    reasons = [
+        f"Skipping sample {shards[0]}:0001: its member 'txt' does not decode: "
+        + _error(lambda: BAD_MEMBERS["txt"].decode("utf-8")),
+        f"Skipping sample {shards[0]}:0002: its member 'json' does not decode: "
+        + _error(lambda: json.loads(BAD_MEMBERS["json"])),
+        f"Skipping the rest of shard {shards[1]} after sample 0004: it is cut "
+        f"short ({_cut_error(shards[1])})",
+    ]
+    return out_dir, [
+        f"{reason}. Samples skipped so far on dp rank 0: {count}"
+        for count, reason in enumerate(reasons, 1)
+    ]
+
+
+def _skip_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skip")]
+
+
+def _same_batches(got: list, want: list) -> bool:
+    return len(got) == len(want) and all(
+        torch.equal(g["input"], w["input"])
+        and torch.equal(g["pixel_values"], w["pixel_values"])
+        and torch.equal(g_labels, w_labels)
+        for (g, g_labels), (w, w_labels) in zip(got, want, strict=True)
+    )
 
 
 def test_hostile_variant_records(hostile):
@@ -467,3 +579,214 @@ def test_rows_over_the_image_cap_are_named_counted_skips(tmp_path, tokenizer, ca
     ]
     assert loader.skipped_samples == 2
     assert not any(r.getMessage().startswith("Removed") for r in caplog.records)
+
+
+@pytest.mark.parametrize("member", ["txt", "json"])
+def test_a_webdataset_member_that_does_not_decode_is_a_named_skip(
+    tmp_path, tokenizer, caplog, member
+):
+    """HF decodes ``txt`` (UTF-8) and ``json`` inside its iterator: upstream's
+    run ends there, at load when the sample is among the five it infers from."""
+    samples = {f"{i:04d}": _members(i) for i in range(3)}
+    shard = _tar(tmp_path / "bad" / "shard.tar", samples)
+    good = _tar(
+        tmp_path / "good" / "shard.tar", {k: samples[k] for k in ("0000", "0002")}
+    )
+    samples["0001"][member] = BAD_MEMBERS[member]
+    _tar(shard, samples)
+    decode, error = {
+        "txt": (lambda: BAD_MEMBERS["txt"].decode(), UnicodeDecodeError),
+        "json": (lambda: json.loads(BAD_MEMBERS["json"]), json.JSONDecodeError),
+    }[member]
+    with pytest.raises(error):
+        list(_loader(shard.parent, "cc12m-test", tokenizer, robust=False))
+    upstream = list(_loader(good.parent, "cc12m-test", tokenizer, robust=False))
+    caplog.set_level("WARNING")
+    batches = list(_loader(shard.parent, "cc12m-test", tokenizer, robust=True))
+    assert _same_batches(batches, upstream) and len(batches) == 2
+    assert _skip_messages(caplog) == [
+        f"Skipping sample {shard}:0001: its member {member!r} does not decode: "
+        f"{_error(decode)}. Samples skipped so far on dp rank 0: 1"
+    ]
+
+
+@pytest.mark.parametrize("cut_shard", [0, 1])
+def test_a_tar_cut_short_skips_the_rest_of_its_shard(
+    tmp_path, tokenizer, caplog, cut_shard
+):
+    """Upstream's run ends at the cut (at load when HF infers from that shard).
+    The plug-in trains what precedes it, names the shard and its last whole
+    sample, and reads the next shard: as upstream reads the shard ending there."""
+    samples = {f"{i:04d}": _members(i) for i in range(6)}
+    keys = [["0000", "0001", "0002"], ["0003", "0004", "0005"]]
+    last_whole, cut_in = keys[cut_shard][:2]
+    shards = []
+    for n, shard in enumerate(keys):
+        cut = n == cut_shard
+        path = tmp_path / "cut" / f"s{n}.tar"
+        shards.append(
+            _tar(path, {k: samples[k] for k in shard}, cut_in if cut else None)
+        )
+        whole = [last_whole] if cut else shard  # the cut shard, ending at its cut
+        _tar(tmp_path / "whole" / f"s{n}.tar", {k: samples[k] for k in whole})
+    with pytest.raises(tarfile.ReadError):
+        list(_loader(shards[0].parent, "cc12m-test", tokenizer, robust=False))
+    upstream = list(_loader(tmp_path / "whole", "cc12m-test", tokenizer, robust=False))
+    caplog.set_level("WARNING")
+    batches = list(_loader(shards[0].parent, "cc12m-test", tokenizer, robust=True))
+    assert _same_batches(batches, upstream) and len(batches) == 4
+    assert _skip_messages(caplog) == [
+        f"Skipping the rest of shard {shards[cut_shard]} after sample "
+        f"{last_whole}: it is cut short ({_cut_error(shards[cut_shard])}). "
+        "Samples skipped so far on dp rank 0: 1"
+    ]
+
+
+def test_a_first_shard_without_a_whole_sample_is_named_at_load(tmp_path, tokenizer):
+    """HF infers the features from the first shard: upstream's ReadError names
+    no shard, and with members left undecoded pyarrow's would name none either."""
+    shard = _tar(tmp_path / "d" / "s0.tar", {"0000": _members(0)}, cut_in="0000")
+    _tar(tmp_path / "d" / "s1.tar", {"0001": _members(1)})
+    with pytest.raises(tarfile.ReadError):
+        _loader(shard.parent, "cc12m-test", tokenizer, robust=False)
+    with pytest.raises(ValueError, match=f"{shard} is cut short before its first"):
+        _loader(shard.parent, "cc12m-test", tokenizer, robust=True)
+
+
+def test_a_share_of_shards_cut_before_a_sample_raises_instead_of_spinning(
+    tmp_path, tokenizer
+):
+    """dp rank 1 reads shard 1 alone, cut inside its first sample: each pass of
+    the infinite loop would skip it again and never yield a batch."""
+    _tar(tmp_path / "d" / "s0.tar", {"0000": _members(0)})
+    _tar(tmp_path / "d" / "s1.tar", {"0001": _members(1)}, cut_in="0001")
+    loader = _loader(
+        tmp_path / "d",
+        "cc12m-test",
+        tokenizer,
+        robust=True,
+        infinite=True,
+        dp_world_size=2,
+        dp_rank=1,
+    )
+    errors: list[BaseException] = []
+
+    def first_batch():
+        try:
+            next(iter(loader))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=first_batch, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the loader is still looking for a whole sample"
+    (error,) = errors
+    assert isinstance(error, ValueError)
+    assert "dp rank 1's share of the dataset holds no whole sample: the 1 " in str(
+        error
+    )
+
+
+@pytest.mark.parametrize("after", [3, 5])
+def test_a_resumed_loader_meets_a_cut_shard_as_the_uninterrupted_one(
+    tmp_path, tokenizer, caplog, after
+):
+    """HF's state counts the cut shard as one that ended at the cut: batches 3
+    and 5 hold 0004 (before the cut) and 0008 (after it)."""
+    data, _ = hostile_webdataset(tmp_path / "d")
+    uninterrupted = list(_loader(data, "cc12m-test", tokenizer, robust=True))
+    source = _loader(data, "cc12m-test", tokenizer, robust=True)
+    batches = iter(source)
+    for _ in range(after):
+        next(batches)
+    resumed = _loader(data, "cc12m-test", tokenizer, robust=True)
+    resumed.load_state_dict(source.state_dict())
+    caplog.clear()
+    caplog.set_level("WARNING")
+    assert _same_batches(list(resumed), uninterrupted[after:])
+    cuts = [m for m in _skip_messages(caplog) if m.startswith("Skipping the rest")]
+    # Resumed before the cut, the loader meets it once; HF resumes from a state
+    # up to two samples back, so one resumed just after it may meet it again.
+    assert len(cuts) == 1 if after == 3 else len(cuts) <= 1, cuts
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_webdataset_skips_counted_in_the_main_process(
+    tmp_path, tokenizer, caplog, num_workers
+):
+    """With two workers, one reads shards 0 and 2, the other the cut shard 1."""
+    data, expected = hostile_webdataset(tmp_path / "d")
+    caplog.set_level("WARNING")
+    loader = _loader(
+        data, "cc12m-test", tokenizer, robust=True, num_workers=num_workers
+    )
+    batches = list(loader)
+    assert len(batches) == 6 and loader.skipped_samples == len(expected)
+    if not num_workers:  # a worker's warnings do not reach caplog
+        assert _skip_messages(caplog) == expected
+
+
+def test_members_decode_as_hf_decodes_them(tmp_path):
+    """HF's builder and ``decode_members`` give the same values, also for a
+    member HF decompresses first and one its features type as an integer."""
+    extra = {"cls": b"3", "txt.gz": gzip.compress(b"two shapes on gray")}
+    _tar(
+        tmp_path / "d" / "s.tar", {f"{i:04d}": {**_members(i), **extra} for i in (0, 1)}
+    )
+
+    def load():
+        return load_dataset(
+            str(tmp_path / "d"), split="train", data_files="*.tar", streaming=True
+        ).decode(False)
+
+    hf = list(load())
+    with members_undecoded():
+        undecoded = list(load())
+    assert {type(x["txt.gz"]) for x in undecoded} == {bytes}
+    assert [decode_members(x) for x in undecoded] == hf
+
+
+# datasets 4.7.0's code that UndecodedWebDataset and members_undecoded rely on:
+# name -> sha256 of its source (inspect.getsource's text).
+_DATASETS_PINS = {
+    "WebDataset._get_pipeline_from_tar": (
+        "b88ff3bc2ddc92186ec261b67ea718e31c0974c5fa66c2fde87a2b087b8624c8"
+    ),
+    "WebDataset._split_generators": (
+        "9e45f7242de8370d4111a496d61e94cb5db1bb6d0016421b27a3f366d2c05f11"
+    ),
+    "WebDataset._generate_examples": (
+        "f2af4436246256d3d3e5a7c3ad4b11f7b46cfc224f159dd56475d52effc6ef4e"
+    ),
+    "import_main_class": (
+        "8c28c2352828378b926726b9b2382b5f5e76bc6d6ad9d431c72458eefa24eb6e"
+    ),
+}
+
+
+def test_the_hf_webdataset_code_the_plugin_hooks_is_pinned():
+    """The hooks hold on what these functions do; a change fails here first."""
+    hf_builder = UndecodedWebDataset.__bases__[0]
+    functions = [
+        hf_builder._get_pipeline_from_tar,
+        hf_builder._split_generators,
+        hf_builder._generate_examples,
+        datasets_load.import_main_class,
+    ]
+    pins = {
+        f.__qualname__: hashlib.sha256(inspect.getsource(f).encode()).hexdigest()
+        for f in functions
+    }
+    assert pins == _DATASETS_PINS, (
+        f"datasets {datasets.__version__} changed what the plug-in's webdataset "
+        "hooks rely on (torchtitan_ext/muse_glimmer/webdataset.py); re-check that "
+        "_get_pipeline_from_tar still decodes with cls.DECODERS, is called on "
+        "the builder (self.) to infer the features and to stream, and raises a cut "
+        "tar's tarfile.ReadError; that import_main_class still takes the module's "
+        "WebDataset; then re-pin _DATASETS_PINS."
+    )
+    with pytest.raises(RuntimeError), members_undecoded():
+        assert hf_webdataset.WebDataset is UndecodedWebDataset
+        raise RuntimeError
+    assert hf_webdataset.WebDataset is hf_builder  # restored, also on an error

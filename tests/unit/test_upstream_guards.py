@@ -451,3 +451,62 @@ def test_the_planners_private_schedule_names_hold():
     single_init = inspect.getsource(schedules.PipelineScheduleSingle.__init__)
     assert "self._n_microbatches = n_microbatches" in init
     assert "self._num_stages = stage.num_stages" in single_init
+
+
+# torchtitan 0.3.0's packer methods the plug-in's ``_ImageCappedPacker`` replaces
+# (``_pack_buffered_samples``: its loop, plus an image bound) or extends.
+_PACKER_030 = {
+    "_pack_buffered_samples": (
+        "hf_datasets/multimodal/utils/packing.py",
+        45,
+        "dc306fedf43d2f2ed829ce31a7b2b4e2f73756cf586f7666d2ae3f35ab99aff1",
+    ),
+    "_merge_samples": (
+        "hf_datasets/multimodal/utils/packing.py",
+        81,
+        "5c3ac43bbd63b2a8f65603701d7fbd93161377c1834791103300725c60b5ee37",
+    ),
+}
+
+
+def test_upstream_packer_is_the_pinned_030_source():
+    from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker
+
+    for name, want in _PACKER_030.items():
+        pin = _source_pin(getattr(MMSamplePacker, name))
+        assert pin == want, (
+            f"torchtitan's MMSamplePacker.{name} (file, first line, sha256) is {pin}, "
+            f"not 0.3.0's {want}. torchtitan_ext/muse_glimmer/data.py's "
+            "_ImageCappedPacker is its scan-and-pick loop plus an image bound and "
+            "merges rows with it: re-check the packing rule (and whether upstream "
+            "now bounds images itself: then drop the subclass), the merged keys, "
+            "then re-pin _PACKER_030."
+        )
+
+
+def test_the_image_capped_packer_packs_as_upstream_without_the_bound():
+    """With a bound no row reaches, the plug-in's packer picks upstream's rows."""
+    import torch
+    from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker
+
+    from torchtitan_ext.muse_glimmer.data import _ImageCappedPacker
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 40, (60,), generator=generator).tolist()
+    upstream = MMSamplePacker(max_seq_length=64, buffer_size=8, batch_size=2)
+    ours = _ImageCappedPacker(upstream, max_images=10**6, temporal=2)
+    for packer in (upstream, ours):
+        for index, length in enumerate(lengths):
+            packer.add_sample(
+                {
+                    "input_ids": torch.full((length,), index),
+                    "labels": torch.zeros(length),
+                    "positions": torch.arange(length),
+                    "pixel_values": [torch.zeros(1, 2, 2, 3)] * (index % 3),
+                }
+            )
+        packer.flush()
+    rows = [
+        [r["input_ids"].tolist() for r in p.packed_samples] for p in (upstream, ours)
+    ]
+    assert len(rows[0]) > 10 and rows[0] == rows[1]

@@ -6,9 +6,18 @@ rank whose image fetch timed out or whose sample processor skipped one sample
 trains on silently with replicated vision (every shape still matches), and
 hands sharded vision's exchange sizes its peers do not expect. Each rank
 fingerprints its CPU batch (token and image counts, the image grids, a digest
-of the tokens, labels and pixels) and the group all-gathers the fingerprints
-over a gloo process group of its own: host memory only, no device sync. Every
-rank of the group then sees the same fingerprints and raises the same error.
+of the tokens, labels and its samples' digests) and the group all-gathers the
+fingerprints over a gloo process group of its own: host memory only, no device
+sync. Every rank of the group then sees the same fingerprints and raises the
+same error.
+
+The pixels are the batch at real image sizes (64 photos of 54x72 patches are
+1.2 GB of float32), so the training thread never hashes them: the loader digests
+each raw sample where it is read (``sample_digest``: its key and its encoded
+bytes, tens of times smaller than the decoded pixels) and the batch carries the
+digests of its samples (``SAMPLE_DIGESTS``). What that cannot see: two ranks
+that decode the same bytes into different pixels of the same grid (an unseeded
+random augmentation, another libjpeg on one node) train on silently.
 The group keeps torchtitan's timeouts (``comm``: the init timeout until its
 first check has passed, the train timeout after), which torchtitan sets on its
 own groups only: a new group would wait gloo's 30-minute default.
@@ -23,34 +32,74 @@ import torch.distributed as dist
 from torchtitan.config import CommConfig
 from torchtitan.distributed import ParallelDims
 
-__all__ = ["BatchAgreement", "batch_fingerprint"]
+__all__ = ["SAMPLE_DIGESTS", "BatchAgreement", "batch_fingerprint", "sample_digest"]
 
 FIELDS = ("tokens", "images", "grids", "content")
+SAMPLE_DIGESTS = "sample_digests"
+"""A batch's int64 [S] digests of its S samples, in row order (a loader's key)."""
 
 
-def _digest(tensors: list[torch.Tensor | None]) -> int:
-    """A 63-bit digest of the tensors' bytes (shape and dtype included)."""
+def _digest_of(digest, value: Any) -> None:
+    """Feed ``value``'s bytes to ``digest``: the same on every rank that holds it."""
+    if isinstance(value, torch.Tensor):
+        digest.update(f"{tuple(value.shape)}{value.dtype}".encode())
+        digest.update(memoryview(value.contiguous().view(-1).view(torch.uint8).numpy()))
+    elif isinstance(value, bytes | bytearray | memoryview):
+        digest.update(b"b%d:" % len(value))
+        digest.update(value)
+    elif isinstance(value, list | tuple):
+        digest.update(b"[%d" % len(value))
+        for item in value:
+            _digest_of(digest, item)
+    elif isinstance(value, dict):
+        digest.update(b"{%d" % len(value))
+        for key in sorted(value):
+            _digest_of(digest, key)
+            _digest_of(digest, value[key])
+    elif isinstance(value, str | int | float | bool | None):
+        digest.update(f"{type(value).__name__}:{value!s};".encode())
+    elif hasattr(value, "tobytes"):  # a decoded image or array
+        digest.update(type(value).__name__.encode())
+        digest.update(value.tobytes())
+    else:  # no stable bytes (a str() may hold an address): its type alone
+        digest.update(f"{type(value).__qualname__};".encode())
+
+
+def _digest(value: Any) -> int:
+    """A 63-bit digest of ``value``'s bytes (a tensor's shape and dtype included)."""
     digest = hashlib.blake2b(digest_size=8)
-    for tensor in tensors:
-        if tensor is None:
-            digest.update(b"-")
-            continue
-        digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(
-            memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-        )
+    _digest_of(digest, value)
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def sample_digest(sample: dict[str, Any]) -> int:
+    """A raw sample's digest, before decoding: its key and its encoded members.
+
+    Not its ``__url__``: nodes may mount the same shards at other paths.
+    """
+    return _digest({k: v for k, v in sample.items() if k != "__url__"})
+
+
 def batch_fingerprint(input_dict: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
-    """``FIELDS`` of a CPU batch, as an int64 tensor."""
+    """``FIELDS`` of a CPU batch, as an int64 tensor.
+
+    Its content digest reads the tokens, the labels and the samples' digests; a
+    batch from a loader that digests no samples has its pixels hashed instead.
+    """
     grid_thw_N3 = input_dict.get("grid_thw")
+    samples = input_dict.get(SAMPLE_DIGESTS)
     return torch.tensor(
         [
             input_dict["input"].numel(),
             0 if grid_thw_N3 is None else grid_thw_N3.shape[0],
-            _digest([grid_thw_N3]),
-            _digest([input_dict["input"], labels, input_dict.get("pixel_values")]),
+            _digest(grid_thw_N3),
+            _digest(
+                [
+                    input_dict["input"],
+                    labels,
+                    input_dict.get("pixel_values") if samples is None else samples,
+                ]
+            ),
         ],
         dtype=torch.int64,
     )

@@ -9,6 +9,12 @@ whose image placeholders would be cut never reaches the collator. What it lacks:
   iterator, so one corrupt JPEG raises out of the loader and ends the run. Here
   the images stay undecoded bytes, which torchtitan's ``process_image`` decodes
   inside its own error handling.
+- The builder decodes ``txt`` and ``json`` members there too, and a tar cut
+  short raises there: a caption that is not UTF-8, a JSON member that does not
+  parse or a truncated shard ends the run. Here (``webdataset.py``) members stay
+  bytes until ``SampleSkipper`` decodes them, a failure a skip like the others,
+  and a cut shard is one skip naming it and its last whole sample; the next
+  shard is read.
 - Its warnings name neither the sample nor how many were skipped, and an
   exception in the sample processor (a cc12m record without a ``txt``) ends the
   run. Here each skip is one warning with the sample's key (or its position in
@@ -35,9 +41,13 @@ from torchtitan.hf_datasets.multimodal.mm_datasets import (
     HuggingFaceMultiModalDataset,
     MMDataLoader,
 )
+from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker
 from torchtitan.tools.logging import logger
 
-__all__ = ["RobustMMDataLoader", "SampleSkipper"]
+from .batch_agreement import SAMPLE_DIGESTS, sample_digest
+from .webdataset import decode_members, members_undecoded, report_cut_shards
+
+__all__ = ["RobustMMDataLoader", "SampleSkipper", "vision_entries"]
 
 
 class _HeldWarnings(logging.Filter):
@@ -106,6 +116,14 @@ def _non_finite_pixels(processed: dict[str, Any]) -> str | None:
     return None
 
 
+def vision_entries(sample: dict[str, Any], temporal_patch_size: int) -> int:
+    """A sample's count against ``max_images_per_batch``, as the collator counts."""
+    videos = sample.get("pixel_values_videos") or []
+    return len(sample.get("pixel_values") or []) + sum(
+        video.shape[0] // temporal_patch_size for video in videos
+    )
+
+
 class SampleSkipper:
     """Wraps a dataset's ``sample_processor``: a bad sample is skipped by name.
 
@@ -121,10 +139,12 @@ class SampleSkipper:
         dataset: HuggingFaceMultiModalDataset,
         *,
         dp_rank: int,
+        max_images: int | None = None,
     ) -> None:
         self._process = process
         self._dataset = dataset
         self._dp_rank = dp_rank
+        self._max_images = max_images
         self.skipped = 0
         """Samples skipped by this process's loader so far."""
         self._pass_is_full = False
@@ -136,6 +156,8 @@ class SampleSkipper:
         if position == 0:
             self._start_pass()
         sample = {key: _undecoded(value) for key, value in sample.items()}
+        if (sample := self._members_decoded(sample, position)) is None:
+            return None
         reason = _special_token_text(sample, kwargs["tokenizer"])
         if reason:
             self._skip(sample, position, reason)
@@ -165,9 +187,18 @@ class SampleSkipper:
         if reason:
             self._skip(sample, position, reason)
             return None
+        images = vision_entries(processed, kwargs["temporal_patch_size"])
+        if self._max_images is not None and images > self._max_images:
+            reason = (
+                f"its {images} vision entries exceed "
+                f"dataloader.max_images_per_batch {self._max_images}"
+            )
+            self._skip(sample, position, reason)
+            return None
         for record in held.records:  # a kept sample's warnings, unchanged
             logger.handle(record)
         self._kept_this_pass += 1
+        processed[SAMPLE_DIGESTS] = [sample_digest(sample)]
         return processed
 
     def _start_pass(self) -> None:
@@ -188,6 +219,29 @@ class SampleSkipper:
             f"Samples skipped so far on dp rank {self._dp_rank}: {self.skipped}"
         )
 
+    def skip_shard(self, shard: str, last_key: str | None, error: Exception) -> None:
+        """The rest of a shard cut short, one skip: the sample it cut (how many
+        followed is unknown). HF's stream goes on with the next shard."""
+        self.skipped += 1
+        self._skipped_this_pass += 1
+        after = "from its start" if last_key is None else f"after sample {last_key}"
+        logger.warning(
+            f"Skipping the rest of shard {shard} {after}: it is cut short "
+            f"({type(error).__name__}: {error}). "
+            f"Samples skipped so far on dp rank {self._dp_rank}: {self.skipped}"
+        )
+
+    def _members_decoded(
+        self, sample: dict[str, Any], position: int
+    ) -> dict[str, Any] | None:
+        """``sample`` with its webdataset members decoded; None if one does not
+        (a caption that is not UTF-8, a JSON member that does not parse)."""
+        try:
+            return decode_members(sample)
+        except ValueError as error:
+            self._skip(sample, position, str(error))
+            return None
+
     def _skip(self, sample: dict[str, Any], position: int, reason: str) -> None:
         self.skipped += 1
         self._skipped_this_pass += 1
@@ -201,6 +255,51 @@ class SampleSkipper:
         )
 
 
+class _ImageCappedPacker(MMSamplePacker):
+    """torchtitan's packer, also bounding each packed row's vision entries.
+
+    Upstream packs by tokens alone, so one row of a long sequence can hold more
+    than ``max_images_per_batch`` images; the collator then removes rows until
+    the batch fits, and at one row a batch (every long-context job) removes all
+    of them and fails on an empty list. Its scan-and-pick loop has no hook for a
+    second bound, so ``_pack_buffered_samples`` is that loop with the image bound
+    added (``tests/unit/test_upstream_guards.py`` pins upstream's). A sample
+    over the bound alone never gets here (``SampleSkipper`` skips it), so every
+    buffered sample fits an empty row. Rows keep their samples' digests.
+    """
+
+    def __init__(self, packer: MMSamplePacker, *, max_images: int, temporal: int):
+        super().__init__(packer.max_seq_length, packer.buffer_size, packer.batch_size)
+        self.max_images = max_images
+        self._temporal = temporal
+
+    def _pack_buffered_samples(self, flush: bool = False) -> None:
+        while self._sample_buffer:
+            picked, length, images = [], 0, 0
+            for sid, sample in self._sample_buffer.items():
+                tokens = len(sample["input_ids"])
+                entries = vision_entries(sample, self._temporal)
+                if (
+                    length + tokens <= self.max_seq_length
+                    and images + entries <= self.max_images
+                ):
+                    picked.append(sid)
+                    length += tokens
+                    images += entries
+            assert picked, "SampleSkipper lets no sample over a row's bounds through"
+            full = length == self.max_seq_length or images == self.max_images
+            if not flush and not full:  # kept for later samples, as upstream does
+                break
+            samples = [self._sample_buffer.pop(sid) for sid in picked]
+            self.packed_samples.append(self._merge_samples(samples))
+
+    @staticmethod
+    def _merge_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
+        merged = MMSamplePacker._merge_samples(samples)
+        merged[SAMPLE_DIGESTS] = [d for s in samples for d in s.get(SAMPLE_DIGESTS, [])]
+        return merged
+
+
 class _ResumedOnce:
     """An HF stream that starts at a loaded state for one pass, not for every pass.
 
@@ -209,14 +308,36 @@ class _ResumedOnce:
     after a resume each later pass replayed only the tail of a rank's data (the
     run diverged from the uninterrupted one) and, when the checkpoint was taken
     at the end of that data, yielded nothing, forever: the job hung.
+
+    A full pass that yields nothing because every shard read was cut short
+    before a whole sample is an error, not another pass: the same hang.
     """
 
     def __init__(self, stream: IterableDataset) -> None:
         self._stream = stream
+        self._skipper: SampleSkipper | None = None
+        self._dp_rank = 0
+
+    def report_to(self, skipper: SampleSkipper, *, dp_rank: int) -> None:
+        """``skipper`` names and counts each shard of the stream cut short."""
+        self._skipper, self._dp_rank = skipper, dp_rank
+        report_cut_shards(self._stream, skipper.skip_shard)
 
     def __iter__(self):
-        yield from self._stream
+        full = not self._stream._starting_state_dict
+        skipped = self._skipper.skipped if self._skipper else 0
+        empty = True
+        for sample in self._stream:
+            empty = False
+            yield sample
         self._stream._starting_state_dict = None  # HF has no public way to drop it
+        cut = self._skipper.skipped - skipped if self._skipper else 0
+        if full and empty and cut:
+            raise ValueError(
+                f"dp rank {self._dp_rank}'s share of the dataset holds no whole "
+                f"sample: the {cut} shard(s) read were cut short before their "
+                "first (see the warnings above), so no batch can be built from it."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return self._stream.state_dict()
@@ -265,6 +386,10 @@ class _CountingCollator:
                 self._skipper.skip_row(rows, message)
             else:
                 logger.handle(record)
+        input_dict[SAMPLE_DIGESTS] = torch.tensor(
+            [d for sample in samples[:rows] for d in sample.get(SAMPLE_DIGESTS, [])],
+            dtype=torch.int64,
+        )
         skipped = self._skipper.skipped
         input_dict[_SKIPPED_KEY] = skipped - self._reported
         self._reported = skipped
@@ -279,13 +404,25 @@ class RobustMMDataLoader(MMDataLoader):
         pass
 
     def __init__(self, config: Config, **kwargs) -> None:
-        super().__init__(config, **kwargs)
+        with members_undecoded():  # a bad member or a cut tar: a skip, see there
+            super().__init__(config, **kwargs)
         dataset = self.dataset
         if isinstance(dataset._data, IterableDataset):
             dataset._data = _ResumedOnce(dataset._data.decode(False))
         dataset.sample_processor = SampleSkipper(
-            dataset.sample_processor, dataset, dp_rank=self.dp_rank
+            dataset.sample_processor,
+            dataset,
+            dp_rank=self.dp_rank,
+            max_images=config.max_images_per_batch,
         )
+        if dataset.enable_packing:
+            dataset.packer = _ImageCappedPacker(
+                dataset.packer,
+                max_images=config.max_images_per_batch,
+                temporal=config.temporal_patch_size,
+            )
+        if isinstance(dataset._data, _ResumedOnce):
+            dataset._data.report_to(dataset.sample_processor, dp_rank=self.dp_rank)
         self.collate_fn = _CountingCollator(self.collate_fn, dataset.sample_processor)
         self.skipped_samples = 0
         """Samples of this dp rank's share skipped before the batches yielded so far."""

@@ -19,7 +19,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..node_watchdog import NodeWatchdog
-from .batch_agreement import BatchAgreement
+from .batch_agreement import SAMPLE_DIGESTS, BatchAgreement
 from .config_checks import check_job_config
 from .sharding import BATCH_TOKEN_TYPE
 from .vision_bank import (
@@ -225,7 +225,9 @@ def post_process_with_vision_bank_indices(
     blank image when that is empty.
     """
     share = input_dict.get(_SHARE_KEY)
-    input_dict = {k: v for k, v in input_dict.items() if k != _SHARE_KEY}
+    input_dict = {
+        k: v for k, v in input_dict.items() if k not in (_SHARE_KEY, SAMPLE_DIGESTS)
+    }
     if geometry is None or "special_tokens" not in input_dict:
         return post_process(input_dict, labels)
     tokens_BL = input_dict["input"]

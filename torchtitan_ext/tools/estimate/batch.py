@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_ext.muse_glimmer.batch_agreement import SAMPLE_DIGESTS
+
 __all__ = ["ImageSize", "image_size", "synthetic_batch"]
 
 
@@ -75,5 +77,6 @@ def synthetic_batch(
         ),
         "grid_thw": torch.tensor([[1, patches, patches]] * (rows * images)),
         "special_tokens": {"image_id": image_id},
+        SAMPLE_DIGESTS: torch.arange(rows * images),  # one caption per image
     }
     return input_dict, labels_BL

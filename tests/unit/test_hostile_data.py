@@ -133,6 +133,24 @@ def _skips(caplog) -> list[tuple[str, str, int]]:
     ]
 
 
+def _first_batch_error(loader, looking_for: str) -> BaseException:
+    """What the loader's first batch raises, within 60 s (not a loop for ever)."""
+    errors: list[BaseException] = []
+
+    def first_batch():
+        try:
+            next(iter(loader))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=first_batch, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), f"the loader is still looking for {looking_for}"
+    (error,) = errors
+    return error
+
+
 def _jpeg(index: int) -> bytes:
     buf = io.BytesIO()
     render_image(sample_spec(index)).save(buf, format="JPEG", quality=90)
@@ -404,19 +422,7 @@ def test_data_without_a_good_sample_raises_instead_of_spinning(tmp_path, tokeniz
         [[jpg[: len(jpg) // 2], None]] * 2,
     )
     loader = _loader(data, "obelics", tokenizer, robust=True, infinite=True)
-    errors: list[BaseException] = []
-
-    def first_batch():
-        try:
-            next(iter(loader))
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    thread = threading.Thread(target=first_batch, daemon=True)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the loader is still looking for a good sample"
-    (error,) = errors
+    error = _first_batch_error(loader, "a good sample")
     assert isinstance(error, ValueError)
     assert "All 2 samples of dp rank 0's share of the dataset were skipped" in str(
         error
@@ -669,19 +675,7 @@ def test_a_share_of_shards_cut_before_a_sample_raises_instead_of_spinning(
         dp_world_size=2,
         dp_rank=1,
     )
-    errors: list[BaseException] = []
-
-    def first_batch():
-        try:
-            next(iter(loader))
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    thread = threading.Thread(target=first_batch, daemon=True)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the loader is still looking for a whole sample"
-    (error,) = errors
+    error = _first_batch_error(loader, "a whole sample")
     assert isinstance(error, ValueError)
     assert "dp rank 1's share of the dataset holds no whole sample: the 1 " in str(
         error

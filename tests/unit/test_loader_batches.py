@@ -45,17 +45,24 @@ def _images(batch) -> int:
     return 0 if grid_thw_N3 is None else grid_thw_N3.shape[0]
 
 
-def test_a_packed_row_holds_at_most_max_images_per_batch(tmp_path, tokenizer, caplog):
-    """Upstream packs by tokens alone: one row of six images, which the collator
-    removes whole (cap 2, one row a batch), and the empty batch raises."""
-    data = _captions(tmp_path)
-    options = {"max_images_per_batch": 2, "packing_buffer_size": 4}
+def _upstream_empties_a_batch(data, tokenizer, caplog, **options):
+    """Upstream's loader fails on ``data`` at an image cap of 2; the plug-in's
+    loader and its batches, the warnings it logs in ``caplog``."""
+    options = {"max_images_per_batch": 2, **options}
     with pytest.raises(RuntimeError, match="empty list of sequences"):
         list(_loader(data, "obelics", tokenizer, robust=False, **options))
     caplog.clear()
     caplog.set_level("WARNING")
     loader = _loader(data, "obelics", tokenizer, robust=True, **options)
-    batches = list(loader)
+    return loader, list(loader)
+
+
+def test_a_packed_row_holds_at_most_max_images_per_batch(tmp_path, tokenizer, caplog):
+    """Upstream packs by tokens alone: one row of six images, which the collator
+    removes whole (cap 2, one row a batch), and the empty batch raises."""
+    loader, batches = _upstream_empties_a_batch(
+        _captions(tmp_path), tokenizer, caplog, packing_buffer_size=4
+    )
     assert [_images(b) for b in batches] == [2, 2, 2]
     assert loader.skipped_samples == 0 and not caplog.records  # nothing lost
     assert sum(b[0][SAMPLE_DIGESTS].numel() for b in batches) == CAPTIONS
@@ -72,13 +79,9 @@ def test_a_sample_over_the_cap_alone_is_a_named_counted_skip(
         [[caption, None, None, None], [None, caption]],
         [[None, *jpegs[:3]], [jpegs[3], None]],
     )
-    options = {"max_images_per_batch": 2, "packing_buffer_size": 0}
-    with pytest.raises(RuntimeError, match="empty list of sequences"):
-        list(_loader(data, "obelics", tokenizer, robust=False, **options))
-    caplog.clear()
-    caplog.set_level("WARNING")
-    loader = _loader(data, "obelics", tokenizer, robust=True, **options)
-    batches = list(loader)
+    loader, batches = _upstream_empties_a_batch(
+        data, tokenizer, caplog, packing_buffer_size=0
+    )
     assert [_images(b) for b in batches] == [1]
     assert loader.skipped_samples == 1
     assert [r.getMessage() for r in caplog.records] == [

@@ -12,7 +12,9 @@ pairs' ratios):
   exchange included), forward and backward from a fixed gradient, as
   ``MuseGlimmerModel.forward`` calls it; the FSDP root unsharded before; CP1
   (the replicated path alone) for reference.
-- ``step``: one ``Trainer.train_step``, and the batch agreement check apart.
+- ``step``: one ``Trainer.train_step``, and the batch agreement check apart, on
+  the batch as the loader yields it (its samples' digests) and, as the check
+  was before them, hashing every pixel.
 - ``preprocess``: on a CP job's Trainer (``--config-file``, ``--nproc``;
   ``_harness.run_job``) per dataloader batch torchtitan's and the plug-in's
   ``post_dataloading_process`` in alternated pairs on fresh copies (added:
@@ -34,6 +36,8 @@ import _harness  # benchmarks/, first on sys.path when run as a script
 import torch
 from _vision_modes import VISION_MODES, modes_at, set_vision_mode, with_vision_share
 
+from torchtitan_ext.muse_glimmer.batch_agreement import SAMPLE_DIGESTS
+
 # scope -> its timed phases (the last one is compared) and its defaults.
 SCOPES = {
     "vision": (
@@ -41,7 +45,7 @@ SCOPES = {
         dict(seq_len=8192, cp=[1, 2, 4], images=[64], tokens=64, pairs=7),
     ),
     "step": (
-        ("agreement_ms", "step_ms"),
+        ("pixel_agreement_ms", "agreement_ms", "step_ms"),
         dict(seq_len=2048, cp=[2, 4], images=[1, 64], tokens=16, pairs=5),
     ),
     "preprocess": ((), dict(pairs=7)),
@@ -108,9 +112,16 @@ def _timer(args, trainer, modes: list[str], batch):
 
         def timed_step(mode: str) -> dict[str, float]:
             check = trainer.batch_agreement.check
-            agreement_ms, _ = _harness.timed_ms(trainer, check, *batch, "the benchmark")
+            inputs, labels = batch
+            pixels = {k: v for k, v in inputs.items() if k != SAMPLE_DIGESTS}
+            pixel_ms, _ = _harness.timed_ms(trainer, check, pixels, labels, "a pair")
+            agreement_ms, _ = _harness.timed_ms(trainer, check, *batch, "a pair")
             step_ms = _train_step(trainer, mode, batch)
-            return {"agreement_ms": agreement_ms, "step_ms": step_ms}
+            return {
+                "pixel_agreement_ms": pixel_ms,
+                "agreement_ms": agreement_ms,
+                "step_ms": step_ms,
+            }
 
         return timed_step, {}
     inputs = {  # each mode's model inputs, untimed
@@ -171,9 +182,10 @@ def _row(args, rank_rows: list[dict]) -> dict:
         pair = slowest["sharded", total], slowest["replicated", total]
         ratio, quartiles = _harness.median_pair_ratio(*pair)
         row["sharded_ratio"], row["sharded_ratio_quartiles"] = ratio, quartiles
-    if "replicated_agreement_ms" in row:
-        agreement_ms = row["replicated_agreement_ms"]
-        row["agreement_pct_of_step"] = 100 * agreement_ms / row[f"replicated_{total}"]
+    for check in ("pixel_agreement", "agreement"):
+        if f"replicated_{check}_ms" in row:
+            check_ms = row[f"replicated_{check}_ms"]
+            row[f"{check}_pct_of_step"] = 100 * check_ms / row[f"replicated_{total}"]
     row["image_ranges"] = [r.get("image_range") for r in rank_rows]
     return row | {"ranks": rank_rows}
 
@@ -190,7 +202,9 @@ def _report(args, rows: list[dict]) -> str:
     quartiles = "{sharded_ratio_quartiles[0]:.2f}-{sharded_ratio_quartiles[1]:.2f}x"
     columns.append(("quartiles", quartiles))
     if args.scope == "step":
-        columns.append(("batch agreement ms", "{replicated_agreement_ms:.2f}"))
+        columns.append(("pixels hashed ms", "{replicated_pixel_agreement_ms:.2f}"))
+        columns.append(("% of step", "{pixel_agreement_pct_of_step:.3f}%"))
+        columns.append(("sample digests ms", "{replicated_agreement_ms:.2f}"))
         columns.append(("% of step", "{agreement_pct_of_step:.3f}%"))
     header = (
         f"{args.scope} time: seq_len {args.seq_len}, {args.tokens_per_image} tokens "

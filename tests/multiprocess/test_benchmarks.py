@@ -119,7 +119,7 @@ def test_step_time_runs(tmp_path):
     rows = result["rows"]
     assert [(r["images"], r["vision_tokens"]) for r in rows] == [(1, 16), (4, 64)]
     for row in rows:
-        _check_mode_times(row, ("agreement_ms", "step_ms"))
+        _check_mode_times(row, ("pixel_agreement_ms", "agreement_ms", "step_ms"))
         assert 0 < row["replicated_agreement_ms"] < row["replicated_step_ms"]
     assert "| 2 | 4 | 64 |" in stdout
 
@@ -200,3 +200,22 @@ def test_vision_injection_runs(tmp_path):
     for r in rows:
         assert all(r[f"{side}_ms"] > 0 for side in ("upstream", "plugin"))
         assert all(r[f"{side}_peak_bytes"] > 0 for side in ("upstream", "plugin"))
+
+
+def test_batch_agreement_cost_runs(tmp_path):
+    """Two photos of 112x56 px (4x2 patches) in a 30B_mm row of 65536 tokens."""
+    result, stdout = _run(
+        tmp_path,
+        "batch_agreement_cost",
+        *("--images", "2", "--photo", "112x56", "--repeats", "1"),
+        tiny=(),
+    )
+    assert (result["seq_len"], result["grid"], result["tokens_per_image"]) == (
+        65536,
+        [4, 8],
+        8,
+    )
+    checks = [row["check"] for row in result["rows"]]
+    assert checks[0] == "every pixel hashed (before)" and checks[-1] == "now, both"
+    assert all(row["ms"] > 0 and row["pct_of_step"] > 0 for row in result["rows"])
+    assert result["roofline_step_s"] > 0 and "| now, both |" in stdout

@@ -183,12 +183,16 @@ def caption_loss(model, batches: list[_Batch]) -> float:
     import torch.nn.functional as F
 
     from torchtitan_ext.muse_glimmer import build_vision_bank_indices
+    from torchtitan_ext.muse_glimmer.batch_agreement import SAMPLE_DIGESTS
     from torchtitan_ext.tools.simulated_cluster import spmd_backend
 
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad(), spmd_backend("partial_dtensor"):
         for inputs, labels in batches:
-            kwargs = {k: v for k, v in inputs.items() if k != "input"}
+            # The loader's sample digests are for the batch check, not the model.
+            kwargs = {
+                k: v for k, v in inputs.items() if k not in ("input", SAMPLE_DIGESTS)
+            }
             kwargs["attention_masks"] = model.get_attention_masks(inputs["positions"])
             if inputs.get("pixel_values") is not None:
                 kwargs["vision_bank_indices"] = build_vision_bank_indices(

@@ -22,9 +22,11 @@ A node that has not beaten yet is judged only ``init_timeout_s``
 start their watchdogs apart when the process group connects lazily (NCCL;
 gloo with ``TORCH_GLOO_LAZY_INIT=1``) and one node's ranks import slowly,
 and the process group's first collective waits as long for them. Keys live
-under torchrun's run id and restart count: a restart (``--max-restarts``)
-keeps the static rendezvous' store, and must not read the previous attempt's
-beats or finished marks.
+under torchrun's run id, and each watchdog counts a beat or a finished mark
+only past the counters it first read: a restart (``--max-restarts``) keeps the
+rendezvous' store, and must not take the previous attempt's marks for its own,
+while nodes whose agents count their restarts apart (c10d restarts a healthy
+node's workers without counting) still see each other.
 """
 
 import os
@@ -39,7 +41,7 @@ from torchtitan.tools.logging import logger
 
 __all__ = ["NodeWatchdog"]
 
-_PREFIX = "torchtitan_ext/node_watchdog/{run}/{restart}"
+_PREFIX = "torchtitan_ext/node_watchdog/{run}"
 _KEY = "{}/{}"  # kind, node
 _INSTEAD = "rather than at the collectives' timeout (comm.train_timeout_seconds)"
 
@@ -73,6 +75,9 @@ class NodeWatchdog:
         self._started = self._answered = time.monotonic()
         self._moved: dict[int, float] = {}  # a beaten node's last beat, seen here
         self._beats: dict[int, int] = {}
+        # Each node's counters as this attempt's first read found them: what
+        # an earlier attempt of the run left there is neither a beat nor done.
+        self._baseline: dict[str, dict[int, int]] | None = None
         self._finished: set[int] = set()
         self._error = ""  # why the store stopped answering, when it said
         self._stop = threading.Event()
@@ -98,10 +103,7 @@ class NodeWatchdog:
         store = dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=30)
         )
-        prefix = _PREFIX.format(
-            run=os.environ["TORCHELASTIC_RUN_ID"],
-            restart=os.environ["TORCHELASTIC_RESTART_COUNT"],
-        )
+        prefix = _PREFIX.format(run=os.environ.get("TORCHELASTIC_RUN_ID", "none"))
         return cls(
             dist.PrefixStore(prefix, store),
             int(os.environ["GROUP_RANK"]),
@@ -140,18 +142,28 @@ class NodeWatchdog:
         # either way ``_answered`` stops and ``_watch`` notices.
         while not self._stop.is_set():
             try:
+                if self._baseline is None:
+                    self._baseline = {
+                        kind: {n: self._count(kind, n) for n in range(self._nodes)}
+                        for kind in ("beat", "finished")
+                    }
                 self._store.add(_KEY.format("beat", self._node), 1)
                 for node in range(self._nodes):
-                    beats = self._store.add(_KEY.format("beat", node), 0)
-                    if beats and beats != self._beats.get(node):
+                    beats = self._count("beat", node)
+                    if beats > self._baseline["beat"][
+                        node
+                    ] and beats != self._beats.get(node):
                         self._beats[node], self._moved[node] = beats, time.monotonic()
-                    if self._store.add(_KEY.format("finished", node), 0):
+                    if self._count("finished", node) > self._baseline["finished"][node]:
                         self._finished.add(node)
             except RuntimeError as e:  # the DistError family, or a reset socket
                 self._error = f" ({type(e).__name__}: {e})"
                 return
             self._answered = time.monotonic()
             self._stop.wait(self._interval_s)
+
+    def _count(self, kind: str, node: int) -> int:
+        return self._store.add(_KEY.format(kind, node), 0)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._next_watch_s()):

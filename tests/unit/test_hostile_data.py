@@ -58,6 +58,7 @@ from torchtitan_ext.muse_glimmer.webdataset import (
     decode_members,
     hf_webdataset,
     members_undecoded,
+    report_cut_shards,
 )
 
 # torchtitan decodes with torchvision.io, which warns once per image.
@@ -616,6 +617,47 @@ def test_a_webdataset_member_that_does_not_decode_is_a_named_skip(
     ]
 
 
+_DECLARED_FEATURES = """---
+dataset_info:
+  features:
+  - name: __key__
+    dtype: string
+  - name: __url__
+    dtype: string
+  - name: jpg
+    dtype: image
+  - name: txt
+    dtype: string
+  - name: json
+    struct:
+    - name: key
+      dtype: string
+    - name: caption
+      dtype: string
+---
+"""
+
+
+def test_declared_features_reach_the_skip_handling_as_bytes(
+    tmp_path, tokenizer, caplog
+):
+    """A card that declares the members' features (as the Hub exports cc12m's)
+    skips HF's inference: HF then casts each member in its own iterator, where a
+    caption that is not UTF-8 raised, and a JSON struct failed on raw bytes."""
+    samples = {f"{i:04d}": _members(i) for i in range(3)}
+    samples["0001"]["txt"] = BAD_MEMBERS["txt"]
+    shard = _tar(tmp_path / "card" / "shard.tar", samples)
+    (shard.parent / "README.md").write_text(_DECLARED_FEATURES)
+    caplog.set_level("WARNING")
+    batches = list(_loader(shard.parent, "cc12m-test", tokenizer, robust=True))
+    assert len(batches) == 2
+    assert _skip_messages(caplog) == [
+        f"Skipping sample {shard}:0001: its member 'txt' does not decode: "
+        f"{_error(lambda: BAD_MEMBERS['txt'].decode())}. "
+        "Samples skipped so far on dp rank 0: 1"
+    ]
+
+
 @pytest.mark.parametrize("cut_shard", [0, 1])
 def test_a_tar_cut_short_skips_the_rest_of_its_shard(
     tmp_path, tokenizer, caplog, cut_shard
@@ -739,6 +781,20 @@ def test_members_decode_as_hf_decodes_them(tmp_path):
         undecoded = list(load())
     assert {type(x["txt.gz"]) for x in undecoded} == {bytes}
     assert [decode_members(x) for x in undecoded] == hf
+
+
+def test_a_wrapped_webdataset_stream_still_reports_its_cut_shards(tmp_path):
+    """A loader of one's own that shuffles (or maps, filters) the stream: the
+    builder is found under the wrapping iterables, not refused."""
+    _tar(tmp_path / "d" / "s.tar", {f"{i:04d}": _members(i) for i in range(3)})
+    with members_undecoded():
+        stream = load_dataset(
+            str(tmp_path / "d"), split="train", data_files="*.tar", streaming=True
+        )
+    cuts = []
+    report_cut_shards(stream.shuffle(seed=0, buffer_size=2), cuts.append)
+    examples = stream._ex_iterable
+    assert examples.generate_examples_fn.__self__.on_cut_shard == cuts.append
 
 
 # datasets 4.7.0's code that UndecodedWebDataset and members_undecoded rely on:

@@ -130,3 +130,26 @@ def test_the_batch_fingerprint_reads_sample_digests_not_pixels(tmp_path, tokeniz
     assert other[0][SAMPLE_DIGESTS][1] == batch[0][SAMPLE_DIGESTS][1]
     changed = {k for k, v in _fingerprint(other).items() if v != base[k]}
     assert changed == {"content"}
+
+
+def test_a_row_the_image_bound_blocks_is_emitted_before_the_pass_ends():
+    """Documents of 3 images at a cap of 4: no second one ever joins a row, and
+    a row short of its tokens would wait for one (the buffer growing) forever."""
+    from torchtitan.hf_datasets.multimodal.utils.packing import MMSamplePacker
+
+    from torchtitan_ext.muse_glimmer.data import _ImageCappedPacker
+
+    upstream = MMSamplePacker(max_seq_length=512, buffer_size=2, batch_size=1)
+    packer = _ImageCappedPacker(upstream, max_images=4, temporal=2)
+    for index in range(6):
+        packer.add_sample(
+            {
+                "input_ids": torch.full((20,), index),
+                "labels": torch.zeros(20),
+                "positions": torch.arange(20),
+                "pixel_values": [torch.zeros(1, 28, 28, 3)] * 3,
+            }
+        )
+    rows = [row["input_ids"].unique().tolist() for row in packer.packed_samples]
+    assert rows == [[0], [1], [2], [3], [4]]  # one a row, the last still buffered
+    assert len(packer._sample_buffer) == 1

@@ -137,6 +137,7 @@ def test_a_frozen_store_is_named():
     ("previous", "changed", "value"),
     [
         ("finished", "TORCHELASTIC_RESTART_COUNT", "1"),
+        ("beat", "TORCHELASTIC_RESTART_COUNT", "1"),
         ("beat", "TORCHELASTIC_RUN_ID", "another_job"),
     ],
 )
@@ -179,3 +180,35 @@ def test_a_watchdog_never_reads_a_previous_attempts_counters(
     time.sleep(INIT_TIMEOUT_S + 4 * INTERVAL_S)
     after.stop()
     _never_beaten_is_named(deaths, 1, 2)
+
+
+def test_nodes_whose_agents_count_restarts_apart_see_each_other(monkeypatch):
+    """c10d's agent restarts a healthy node's workers without counting it (a
+    membership change), the failed node's agent counts: one attempt, two
+    restart counts. Namespaced by the count, each would name the other."""
+    server = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    for name, setting in {
+        "GROUP_WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(server.port),
+        "TORCHELASTIC_RUN_ID": "job",
+    }.items():
+        monkeypatch.setenv(name, setting)
+    deaths: list[str] = []
+    watchdogs = []
+    for node, restarts in ((0, "0"), (1, "1")):
+        monkeypatch.setenv("GROUP_RANK", str(node))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+        watchdogs.append(
+            NodeWatchdog.for_torchrun(
+                INIT_TIMEOUT_S,
+                interval_s=INTERVAL_S,
+                stale_s=STALE_S,
+                on_dead=deaths.append,
+            ).start()
+        )
+    time.sleep(INIT_TIMEOUT_S + 4 * INTERVAL_S)
+    for watchdog in watchdogs:
+        watchdog.stop()
+    assert deaths == []

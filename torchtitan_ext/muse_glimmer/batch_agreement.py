@@ -15,9 +15,12 @@ The pixels are the batch at real image sizes (64 photos of 54x72 patches are
 1.2 GB of float32), so the training thread never hashes them: the loader digests
 each raw sample where it is read (``sample_digest``: its key and its encoded
 bytes, tens of times smaller than the decoded pixels) and the batch carries the
-digests of its samples (``SAMPLE_DIGESTS``). What that cannot see: two ranks
-that decode the same bytes into different pixels of the same grid (an unseeded
-random augmentation, another libjpeg on one node) train on silently.
+digests of its samples (``SAMPLE_DIGESTS``; a batch holding rows restored from
+a checkpoint of an older loader has none, and its pixels are hashed). What that
+cannot see: two ranks that decode the same bytes into different pixels of the
+same grid (an unseeded random augmentation, another libjpeg on one node), or,
+for a sample that names its image (a URL or a path) instead of holding its
+bytes, two ranks that fetch different bytes from that name.
 The group keeps torchtitan's timeouts (``comm``: the init timeout until its
 first check has passed, the train timeout after), which torchtitan sets on its
 own groups only: a new group would wait gloo's 30-minute default.

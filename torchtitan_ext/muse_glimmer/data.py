@@ -275,19 +275,22 @@ class _ImageCappedPacker(MMSamplePacker):
 
     def _pack_buffered_samples(self, flush: bool = False) -> None:
         while self._sample_buffer:
-            picked, length, images = [], 0, 0
+            picked, length, images, capped = [], 0, 0, False
             for sid, sample in self._sample_buffer.items():
                 tokens = len(sample["input_ids"])
                 entries = vision_entries(sample, self._temporal)
-                if (
-                    length + tokens <= self.max_seq_length
-                    and images + entries <= self.max_images
-                ):
-                    picked.append(sid)
-                    length += tokens
-                    images += entries
+                if length + tokens > self.max_seq_length:
+                    continue
+                if images + entries > self.max_images:
+                    capped = True  # it fits the tokens: only the bound keeps it out
+                    continue
+                picked.append(sid)
+                length += tokens
+                images += entries
             assert picked, "SampleSkipper lets no sample over a row's bounds through"
-            full = length == self.max_seq_length or images == self.max_images
+            # A row the bound keeps from growing is full: waiting for a sample
+            # with fewer images (documents of 3 at a cap of 64) may never end.
+            full = length == self.max_seq_length or capped
             if not flush and not full:  # kept for later samples, as upstream does
                 break
             samples = [self._sample_buffer.pop(sid) for sid in picked]
@@ -386,10 +389,12 @@ class _CountingCollator:
                 self._skipper.skip_row(rows, message)
             else:
                 logger.handle(record)
-        input_dict[SAMPLE_DIGESTS] = torch.tensor(
-            [d for sample in samples[:rows] for d in sample.get(SAMPLE_DIGESTS, [])],
-            dtype=torch.int64,
-        )
+        kept = samples[:rows]
+        if all(sample.get(SAMPLE_DIGESTS) for sample in kept):  # not restored rows
+            input_dict[SAMPLE_DIGESTS] = torch.tensor(
+                [d for sample in kept for d in sample[SAMPLE_DIGESTS]],
+                dtype=torch.int64,
+            )
         skipped = self._skipper.skipped
         input_dict[_SKIPPED_KEY] = skipped - self._reported
         self._reported = skipped

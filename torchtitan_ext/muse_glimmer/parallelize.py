@@ -117,8 +117,9 @@ def _rebuilt_or_upstreams(function):
         failure = f"{type(error).__name__}: {error}"
     logger.warning(
         f"torchtitan's {function.__name__} could not be rebuilt without its CP "
-        f"refusal ({failure}); it is used unchanged and multimodal jobs with "
-        "context_parallel_degree > 1 are refused at start-up."
+        f"refusal ({failure}); it is used unchanged (its apply_compile too: "
+        "--compile.enable fails on the vision adapter, as upstream's jobs do) and "
+        "multimodal jobs with context_parallel_degree > 1 are refused at start-up."
     )
     return function, failure
 
@@ -126,6 +127,13 @@ def _rebuilt_or_upstreams(function):
 parallelize_muse_glimmer, REBUILD_FAILURE = _rebuilt_or_upstreams(
     _upstream.parallelize_muse_glimmer
 )
+
+
+def _torchtitan_version() -> str:
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout
+        return "(version unknown)"
 
 
 def check_cp_parallelize(cp_degree: int) -> None:
@@ -136,7 +144,7 @@ def check_cp_parallelize(cp_degree: int) -> None:
     raise ValueError(
         f"parallelism.context_parallel_degree={cp_degree} needs torchtitan's "
         "parallelize_muse_glimmer rebuilt without its CP refusal, which failed on "
-        f"the installed torchtitan {importlib.metadata.version('torchtitan')} "
+        f"the installed torchtitan {_torchtitan_version()} "
         f"({REBUILD_FAILURE}). Run with context_parallel_degree=1 (upstream's "
         "function, unchanged), or re-check torchtitan's new parallelize_muse_glimmer "
         "against the plug-in (UPSTREAM.md, the parallelize.py row) and update "

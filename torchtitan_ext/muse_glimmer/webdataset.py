@@ -48,6 +48,21 @@ class UndecodedWebDataset(_HFWebDataset):
     first samples: a cut there ends the shard (the stream meets it again), or,
     before the shard's first whole sample, is an error naming the shard."""
 
+    def _split_generators(self, dl_manager):
+        """HF's, the decoded members' declared features made bytes.
+
+        Features declared up front (a dataset card's ``dataset_info``, the Hub's
+        exported ones, ``load_dataset(features=...)``) skip HF's inference, and
+        HF casts each member to them in its own iterator: a ``txt: string``
+        would fail there on bytes that are not UTF-8, a struct on raw JSON.
+        """
+        splits = super()._split_generators(dl_manager)
+        features = self.info.features
+        for field in list(features or {}):
+            if _decoder_key(field) in _HFWebDataset.DECODERS:
+                features[field] = datasets.Value("binary")
+        return splits
+
     def _get_pipeline_from_tar(self, tar_path, tar_iterator):
         # HF's classmethod, called on the builder both to infer and to stream.
         key = None
@@ -88,7 +103,10 @@ def report_cut_shards(stream: IterableDataset, report: CutShardReport) -> None:
     """Tell ``report`` of each shard of ``stream`` cut short, if it is a webdataset."""
     if stream.info.builder_name != "webdataset":
         return
-    generate = getattr(stream._ex_iterable, "generate_examples_fn", None)
+    examples = stream._ex_iterable
+    while hasattr(examples, "ex_iterable"):  # shuffled, mapped, filtered, ...
+        examples = examples.ex_iterable
+    generate = getattr(examples, "generate_examples_fn", None)
     builder = getattr(generate, "__self__", None)
     if not isinstance(builder, UndecodedWebDataset):
         raise RuntimeError(

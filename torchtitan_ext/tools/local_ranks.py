@@ -145,6 +145,7 @@ def run_on_ranks(
             for process in context.processes:
                 process.kill()
                 process.join(timeout=10)
+            del store  # its server closes now, not when a traceback lets it go
         return [
             torch.load(Path(out, f"{r}.pt"), weights_only=False)
             for r in range(world_size)

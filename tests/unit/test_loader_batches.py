@@ -153,3 +153,21 @@ def test_a_row_the_image_bound_blocks_is_emitted_before_the_pass_ends():
     rows = [row["input_ids"].unique().tolist() for row in packer.packed_samples]
     assert rows == [[0], [1], [2], [3], [4]]  # one a row, the last still buffered
     assert len(packer._sample_buffer) == 1
+
+
+def test_a_row_with_a_restored_sample_carries_no_digests():
+    """A sample buffered by an older loader's checkpoint has no digest: its row
+    carries none, so the batch check hashes that batch's pixels instead."""
+    from torchtitan_ext.muse_glimmer.data import _ImageCappedPacker
+
+    def sample(digests):
+        return {
+            "input_ids": torch.zeros(4),
+            "labels": torch.zeros(4),
+            "positions": torch.arange(4),
+            **digests,
+        }
+
+    new, restored = sample({SAMPLE_DIGESTS: [7]}), sample({})
+    assert _ImageCappedPacker._merge_samples([new, new])[SAMPLE_DIGESTS] == [7, 7]
+    assert SAMPLE_DIGESTS not in _ImageCappedPacker._merge_samples([new, restored])

@@ -299,7 +299,8 @@ class _ImageCappedPacker(MMSamplePacker):
     @staticmethod
     def _merge_samples(samples: list[dict[str, Any]]) -> dict[str, Any]:
         merged = MMSamplePacker._merge_samples(samples)
-        merged[SAMPLE_DIGESTS] = [d for s in samples for d in s.get(SAMPLE_DIGESTS, [])]
+        if all(SAMPLE_DIGESTS in s for s in samples):  # restored ones have none
+            merged[SAMPLE_DIGESTS] = [d for s in samples for d in s[SAMPLE_DIGESTS]]
         return merged
 
 
